@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvabi.abi.codec import stored_width, torch_dtype
-from kvabi.abi.descriptor import SHARED, Descriptor, Layout, LayerSpec, Plane
+from kvabi.abi.descriptor import SHARED, Descriptor, LayerSpec, Layout, Plane
 from kvabi.abi.errors import ShapeError
 
 CANONICAL = "BNHC"
@@ -60,8 +60,9 @@ def buffer_specs(desc: Descriptor, extent: int) -> list[BufferSpec]:
                 specs.append(_spec(f"{prefix}.{p.name}", layer_ids, (p.name,), axes, sizes, lay))
         else:
             sizes = _sizes(desc, layer, planes, extent, len(layer_ids))
-            specs.append(_spec(prefix, layer_ids, tuple(p.name for p in planes), lay.axes,
-                               sizes, lay))
+            specs.append(
+                _spec(prefix, layer_ids, tuple(p.name for p in planes), lay.axes, sizes, lay)
+            )
     return specs
 
 
@@ -79,8 +80,10 @@ def infer_extent(desc: Descriptor, tensors: dict[str, torch.Tensor]) -> int:
     """Number of blocks (paged) or tokens (unpaged) the tensors hold, read off the first one."""
     first = buffer_specs(desc, 1)[0]
     if first.key not in tensors:
-        raise ShapeError(f"buffer {first.key!r} is missing; the descriptor names "
-                         f"{[s.key for s in buffer_specs(desc, 1)]}")
+        raise ShapeError(
+            f"buffer {first.key!r} is missing; the descriptor names "
+            f"{[s.key for s in buffer_specs(desc, 1)]}"
+        )
     axis = first.axes.index("B" if desc.layout.is_paged else "T")
     return int(tensors[first.key].shape[axis])
 
@@ -97,15 +100,18 @@ def check_buffers(desc: Descriptor, tensors: dict[str, torch.Tensor]) -> int:
         if t is None:
             raise ShapeError(f"buffer {s.key!r} is missing")
         if tuple(t.shape) != s.shape or t.dtype != s.dtype:
-            raise ShapeError(f"buffer {s.key!r}: descriptor says {list(s.shape)} {s.dtype}, "
-                             f"tensor is {list(t.shape)} {t.dtype}")
+            raise ShapeError(
+                f"buffer {s.key!r}: descriptor says {list(s.shape)} {s.dtype}, "
+                f"tensor is {list(t.shape)} {t.dtype}"
+            )
     return extent
 
 
-def group_views(desc: Descriptor, tensors: dict[str, torch.Tensor], layer_id: int
-                ) -> list[tuple[tuple[Plane, ...], torch.Tensor]]:
+def group_views(
+    desc: Descriptor, tensors: dict[str, torch.Tensor], layer_id: int
+) -> list[tuple[tuple[Plane, ...], torch.Tensor]]:
     """Per plane group of a layer: its planes and a view `[block, slot, head, stored content]`."""
-    lay, layers = desc.layout, desc.model.layers
+    layers = desc.model.layers
     layer_id = layers[layer_id].shares if layers[layer_id].kind == SHARED else layer_id
     layer = layers[layer_id]
     out = []
@@ -133,8 +139,9 @@ def _to_canonical(t: torch.Tensor, axes: str) -> torch.Tensor:
     return t.permute([axes.index(c) for c in CANONICAL])
 
 
-def _sizes(desc: Descriptor, layer: LayerSpec, planes: tuple[Plane, ...], extent: int,
-           num_layers: int) -> dict[str, int]:
+def _sizes(
+    desc: Descriptor, layer: LayerSpec, planes: tuple[Plane, ...], extent: int, num_layers: int
+) -> dict[str, int]:
     lay = desc.layout
     heads = planes[0].num_heads // (lay.tp_size if layer.kind == "attn" else 1)
     width = stored_width(lay, planes) if lay.planes != "axis" else stored_width(lay, planes[:1])
@@ -146,8 +153,14 @@ def _sizes(desc: Descriptor, layer: LayerSpec, planes: tuple[Plane, ...], extent
     return sizes
 
 
-def _spec(key: str, layer_ids: list[int], planes: tuple[str, ...], axes: str,
-          sizes: dict[str, int], lay: Layout) -> BufferSpec:
+def _spec(
+    key: str,
+    layer_ids: list[int],
+    planes: tuple[str, ...],
+    axes: str,
+    sizes: dict[str, int],
+    lay: Layout,
+) -> BufferSpec:
     shape = tuple(sizes[c] for c in axes)
     return BufferSpec(key, tuple(layer_ids), planes, axes, shape, torch_dtype(lay.dtype))
 

@@ -13,9 +13,13 @@ import torch
 from kvabi.abi.descriptor import GGML_QUANTS, Layout, Plane
 
 TORCH_DTYPES = {
-    "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
-    "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
-    "int8": torch.int8, "u8": torch.uint8,
+    "f32": torch.float32,
+    "f16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "u8": torch.uint8,
 }
 GGML_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24}
 QMAX = {"int8": 127.0, "fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
@@ -47,15 +51,18 @@ def is_lossless_pair(src: Layout, dst: Layout) -> bool:
     return dst.dtype in rank[src.dtype]
 
 
-def decode(stored: torch.Tensor, layout: Layout, layer_id: int,
-           planes: tuple[Plane, ...]) -> torch.Tensor:
+def decode(
+    stored: torch.Tensor, layout: Layout, layer_id: int, planes: tuple[Plane, ...]
+) -> torch.Tensor:
     """[..., stored width] in the layout's storage dtype -> float32 [..., sum of plane widths]."""
     q = layout.quant
     if q == "none":
         return stored.float()
     if q == "per_tensor":
-        parts = [stored[..., a:b].float() * _scale(layout, layer_id, p)
-                 for p, (a, b) in zip(planes, _spans(planes), strict=True)]
+        parts = [
+            stored[..., a:b].float() * _scale(layout, layer_id, p)
+            for p, (a, b) in zip(planes, _spans(planes), strict=True)
+        ]
         return torch.cat(parts, dim=-1)
     if q == "per_token_head":
         width = stored.shape[-1] - SCALE_BYTES
@@ -66,15 +73,18 @@ def decode(stored: torch.Tensor, layout: Layout, layer_id: int,
     return _decode_ggml(stored, q)
 
 
-def encode(values: torch.Tensor, layout: Layout, layer_id: int,
-           planes: tuple[Plane, ...]) -> torch.Tensor:
+def encode(
+    values: torch.Tensor, layout: Layout, layer_id: int, planes: tuple[Plane, ...]
+) -> torch.Tensor:
     """float32 [..., sum of plane widths] -> [..., stored width] in the storage dtype."""
     q, dtype = layout.quant, torch_dtype(layout.dtype)
     if q == "none":
         return values.to(dtype)
     if q == "per_tensor":
-        parts = [_to_fp8(values[..., a:b] / _scale(layout, layer_id, p), dtype)
-                 for p, (a, b) in zip(planes, _spans(planes), strict=True)]
+        parts = [
+            _to_fp8(values[..., a:b] / _scale(layout, layer_id, p), dtype)
+            for p, (a, b) in zip(planes, _spans(planes), strict=True)
+        ]
         return torch.cat(parts, dim=-1)
     if q == "per_token_head":
         return _encode_per_token_head(values, layout.dtype)
@@ -116,9 +126,9 @@ def _encode_per_token_head(values: torch.Tensor, dtype_name: str) -> torch.Tenso
 def _decode_ds_mla(stored: torch.Tensor) -> torch.Tensor:
     b = stored.contiguous()
     latent = b[..., :DS_MLA_LATENT].view(torch.float8_e4m3fn).float()
-    tile_scales = b[..., DS_MLA_LATENT:DS_MLA_LATENT + 16].contiguous().view(torch.float32)
+    tile_scales = b[..., DS_MLA_LATENT : DS_MLA_LATENT + 16].contiguous().view(torch.float32)
     latent = latent * tile_scales.repeat_interleave(DS_MLA_TILE, dim=-1)
-    rope = b[..., DS_MLA_LATENT + 16:].contiguous().view(torch.bfloat16).float()
+    rope = b[..., DS_MLA_LATENT + 16 :].contiguous().view(torch.bfloat16).float()
     return torch.cat([latent, rope], dim=-1)
 
 
@@ -128,8 +138,11 @@ def _encode_ds_mla(values: torch.Tensor) -> torch.Tensor:
     amax = tiles.abs().amax(dim=-1, keepdim=True)
     scale = torch.where(amax > 0, amax / QMAX["fp8_e4m3"], torch.ones_like(amax))
     q = _to_fp8(tiles / scale, torch.float8_e4m3fn).flatten(-2)
-    parts = [q.view(torch.uint8), scale.squeeze(-1).float().contiguous().view(torch.uint8),
-             rope.to(torch.bfloat16).contiguous().view(torch.uint8)]
+    parts = [
+        q.view(torch.uint8),
+        scale.squeeze(-1).float().contiguous().view(torch.uint8),
+        rope.to(torch.bfloat16).contiguous().view(torch.uint8),
+    ]
     return torch.cat(parts, dim=-1)
 
 

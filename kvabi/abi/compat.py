@@ -1,4 +1,4 @@
-"""Compatibility checks between descriptors: same model and planes, or a clear error saying what differs."""
+"""Compatibility checks: the same model and planes, or a clear error saying what differs."""
 
 from __future__ import annotations
 
@@ -28,5 +28,8 @@ def check_compatible(expected: ModelSpec, got: ModelSpec) -> None:
     """Raise IncompatibleError unless the two caches hold the same model's KV."""
     diffs = model_differences(expected, got)
     if diffs:
-        raise IncompatibleError("caches are of different models: " + "; ".join(diffs[:5])
-                                + (f" (+{len(diffs) - 5} more)" if len(diffs) > 5 else ""))
+        raise IncompatibleError(
+            "caches are of different models: "
+            + "; ".join(diffs[:5])
+            + (f" (+{len(diffs) - 5} more)" if len(diffs) > 5 else "")
+        )

@@ -31,37 +31,54 @@ class SlotMap:
     slots: torch.Tensor  # [num_tokens] int64
 
     @classmethod
-    def build(cls, layout: Layout, num_tokens: int, block_table: Sequence[int] | None,
-              num_blocks: int | None = None) -> SlotMap:
+    def build(
+        cls,
+        layout: Layout,
+        num_tokens: int,
+        block_table: Sequence[int] | None,
+        num_blocks: int | None = None,
+    ) -> SlotMap:
         t = torch.arange(num_tokens)
         if not layout.is_paged:
             if num_blocks is not None and num_tokens > num_blocks:
-                raise IncompatibleError(f"{num_tokens} tokens asked of an unpaged cache of "
-                                        f"{num_blocks}")
+                raise IncompatibleError(
+                    f"{num_tokens} tokens asked of an unpaged cache of {num_blocks}"
+                )
             return cls(torch.zeros_like(t), t)
         bs = layout.block_size
         return cls(block_table_for(layout, num_tokens, block_table, num_blocks)[t // bs], t % bs)
 
 
-def block_table_for(layout: Layout, num_tokens: int, block_table: Sequence[int] | None,
-                    num_blocks: int | None = None) -> torch.Tensor:
+def block_table_for(
+    layout: Layout,
+    num_tokens: int,
+    block_table: Sequence[int] | None,
+    num_blocks: int | None = None,
+) -> torch.Tensor:
     """The blocks (int64) holding a sequence's `num_tokens` tokens; checked to be enough and,
     given `num_blocks`, to exist."""
     needed = -(-num_tokens // layout.block_size)
     table = torch.arange(needed) if block_table is None else torch.as_tensor(block_table).long()
     if len(table) < needed:
-        raise IncompatibleError(f"block table has {len(table)} blocks; {num_tokens} tokens "
-                                f"need {needed} of {layout.block_size} slots")
+        raise IncompatibleError(
+            f"block table has {len(table)} blocks; {num_tokens} tokens "
+            f"need {needed} of {layout.block_size} slots"
+        )
     table = table[:needed]
     if num_blocks is not None and needed and (table.min() < 0 or table.max() >= num_blocks):
         raise IncompatibleError(f"block table names blocks outside [0, {num_blocks})")
     return table
 
 
-def convert(src: CacheBuffers, dst_desc: Descriptor, *, num_tokens: int | None = None,
-            src_block_ids: Sequence[int] | None = None,
-            dst_block_ids: Sequence[int] | None = None,
-            out: CacheBuffers | None = None) -> CacheBuffers:
+def convert(
+    src: CacheBuffers,
+    dst_desc: Descriptor,
+    *,
+    num_tokens: int | None = None,
+    src_block_ids: Sequence[int] | None = None,
+    dst_block_ids: Sequence[int] | None = None,
+    out: CacheBuffers | None = None,
+) -> CacheBuffers:
     """Convert one cache to `dst_desc`'s layout (same TP shard).
 
     With `num_tokens=None` the whole cache converts block for block (block sizes must agree).
@@ -69,16 +86,29 @@ def convert(src: CacheBuffers, dst_desc: Descriptor, *, num_tokens: int | None =
     (default: blocks 0, 1, ...), into `out` if given (e.g. an engine's block pool).
     """
     if (src.desc.layout.tp_size, src.desc.layout.tp_rank) != (
-            dst_desc.layout.tp_size, dst_desc.layout.tp_rank):
+        dst_desc.layout.tp_size,
+        dst_desc.layout.tp_rank,
+    ):
         raise IncompatibleError("convert keeps the TP shard; use reshard to change it")
-    return reshard([src], dst_desc, num_tokens=num_tokens, src_block_ids=src_block_ids,
-                   dst_block_ids=dst_block_ids, out=None if out is None else [out])[0]
+    return reshard(
+        [src],
+        dst_desc,
+        num_tokens=num_tokens,
+        src_block_ids=src_block_ids,
+        dst_block_ids=dst_block_ids,
+        out=None if out is None else [out],
+    )[0]
 
 
-def reshard(srcs: Sequence[CacheBuffers], dst_desc: Descriptor, *, num_tokens: int | None = None,
-            src_block_ids: Sequence[int] | None = None,
-            dst_block_ids: Sequence[int] | None = None,
-            out: Sequence[CacheBuffers] | None = None) -> list[CacheBuffers]:
+def reshard(
+    srcs: Sequence[CacheBuffers],
+    dst_desc: Descriptor,
+    *,
+    num_tokens: int | None = None,
+    src_block_ids: Sequence[int] | None = None,
+    dst_block_ids: Sequence[int] | None = None,
+    out: Sequence[CacheBuffers] | None = None,
+) -> list[CacheBuffers]:
     """Convert the m TP shards of a cache (rank order) into the n shards of `dst_desc`'s tp_size.
 
     Returns n caches (or, when `dst_desc.layout.tp_size` equals 1 or matches m and one source
@@ -88,16 +118,26 @@ def reshard(srcs: Sequence[CacheBuffers], dst_desc: Descriptor, *, num_tokens: i
     dst_descs = _dst_shards(srcs, dst_desc)
     whole = num_tokens is None
     if whole and src_desc.layout.block_size != dst_desc.layout.block_size:
-        raise IncompatibleError("whole-cache conversion needs equal block sizes; give num_tokens "
-                                "and block tables to re-block a sequence")
+        raise IncompatibleError(
+            "whole-cache conversion needs equal block sizes; give num_tokens "
+            "and block tables to re-block a sequence"
+        )
     extent = srcs[0].extent if whole else _dst_extent(dst_desc.layout, num_tokens, dst_block_ids)
     outs = list(out) if out is not None else [CacheBuffers.empty(d, extent) for d in dst_descs]
     for layer_id in owner_layers(src_desc):
         src_views = [group_views(s.desc, s.tensors, layer_id) for s in srcs]
         dst_views = [group_views(o.desc, o.tensors, layer_id) for o in outs]
         if _is_direct(src_desc, dst_desc, len(srcs)):
-            _copy_direct(src_views[0], dst_views[0], whole, num_tokens, src_desc, dst_desc,
-                         src_block_ids, dst_block_ids)
+            _copy_direct(
+                src_views[0],
+                dst_views[0],
+                whole,
+                num_tokens,
+                src_desc,
+                dst_desc,
+                src_block_ids,
+                dst_block_ids,
+            )
         else:
             n = srcs[0].extent * max(src_desc.layout.block_size, 1) if whole else num_tokens
             src_map = SlotMap.build(src_desc.layout, n, src_block_ids, srcs[0].extent)
@@ -114,8 +154,10 @@ def _check_sources(srcs: Sequence[CacheBuffers], dst_desc: Descriptor) -> Descri
         check_compatible(first.model, s.desc.model)
         lay = s.desc.layout
         if len(srcs) > 1 and (lay.tp_rank, lay.tp_size) != (rank, len(srcs)):
-            raise IncompatibleError(f"source {rank} is TP shard {lay.tp_rank}/{lay.tp_size}; "
-                                    f"expected {rank}/{len(srcs)} (give all shards in rank order)")
+            raise IncompatibleError(
+                f"source {rank} is TP shard {lay.tp_rank}/{lay.tp_size}; "
+                f"expected {rank}/{len(srcs)} (give all shards in rank order)"
+            )
     check_compatible(first.model, dst_desc.model)
     return first
 
@@ -141,19 +183,35 @@ def _is_direct(src: Descriptor, dst: Descriptor, num_srcs: int) -> bool:
     """Same values stored the same way, same shard, same blocks: a strided copy suffices."""
     s, d = src.layout, dst.layout
     same_codec = (s.quant == d.quant == "none") or (
-        (s.quant, s.dtype, s.scales, s.planes == "concat") ==
-        (d.quant, d.dtype, d.scales, d.planes == "concat"))
-    return (num_srcs == 1 and (s.tp_size, s.tp_rank) == (d.tp_size, d.tp_rank) and same_codec
-            and src.model.rope_pairing == dst.model.rope_pairing
-            and s.is_paged == d.is_paged and s.block_size == d.block_size)
+        (s.quant, s.dtype, s.scales, s.planes == "concat")
+        == (d.quant, d.dtype, d.scales, d.planes == "concat")
+    )
+    return (
+        num_srcs == 1
+        and (s.tp_size, s.tp_rank) == (d.tp_size, d.tp_rank)
+        and same_codec
+        and src.model.rope_pairing == dst.model.rope_pairing
+        and s.is_paged == d.is_paged
+        and s.block_size == d.block_size
+    )
 
 
-def _copy_direct(src_views: GroupViews, dst_views: GroupViews, whole: bool,
-                 num_tokens: int | None, src_desc: Descriptor, dst_desc: Descriptor,
-                 src_ids: Sequence[int] | None, dst_ids: Sequence[int] | None) -> None:
+def _copy_direct(
+    src_views: GroupViews,
+    dst_views: GroupViews,
+    whole: bool,
+    num_tokens: int | None,
+    src_desc: Descriptor,
+    dst_desc: Descriptor,
+    src_ids: Sequence[int] | None,
+    dst_ids: Sequence[int] | None,
+) -> None:
     raw = src_desc.layout.quant != "none"  # identical quantised records: copy them as they are
-    pairs = zip(src_views, dst_views, strict=True) if raw else zip(
-        _plane_views(src_views), _plane_views(dst_views), strict=True)
+    pairs = (
+        zip(src_views, dst_views, strict=True)
+        if raw
+        else zip(_plane_views(src_views), _plane_views(dst_views), strict=True)
+    )
     for (_, sv), (_, dv) in pairs:
         if whole:
             dv.copy_(sv)
@@ -171,14 +229,20 @@ def _plane_views(groups: GroupViews) -> GroupViews:
     for planes, view in groups:
         start = 0
         for p in planes:
-            out.append(((p,), view[..., start:start + p.width]))
+            out.append(((p,), view[..., start : start + p.width]))
             start += p.width
     return out
 
 
-def _copy_tokens(layer_id: int, srcs: Sequence[CacheBuffers], src_views: list[GroupViews],
-                 src_map: SlotMap, outs: Sequence[CacheBuffers], dst_views: list[GroupViews],
-                 dst_map: SlotMap) -> None:
+def _copy_tokens(
+    layer_id: int,
+    srcs: Sequence[CacheBuffers],
+    src_views: list[GroupViews],
+    src_map: SlotMap,
+    outs: Sequence[CacheBuffers],
+    dst_views: list[GroupViews],
+    dst_map: SlotMap,
+) -> None:
     planes = _read_planes(layer_id, srcs, src_views, src_map)  # name -> [T, H_total, width]
     src_pairing, dst_pairing = srcs[0].desc.model.rope_pairing, outs[0].desc.model.rope_pairing
     model = srcs[0].desc.model
@@ -187,22 +251,25 @@ def _copy_tokens(layer_id: int, srcs: Sequence[CacheBuffers], src_views: list[Gr
     for out, views in zip(outs, dst_views, strict=True):
         lay = out.desc.layout
         for group, view in views:
-            values = torch.cat([_shard(planes[p.name], lay, model.layers[layer_id].kind)
-                                for p in group], dim=-1)
+            values = torch.cat(
+                [_shard(planes[p.name], lay, model.layers[layer_id].kind) for p in group], dim=-1
+            )
             view[dst_map.block_ids, dst_map.slots] = encode(values, lay, layer_id, group)
 
 
-def _read_planes(layer_id: int, srcs: Sequence[CacheBuffers], src_views: list[GroupViews],
-                 src_map: SlotMap) -> dict[str, torch.Tensor]:
+def _read_planes(
+    layer_id: int, srcs: Sequence[CacheBuffers], src_views: list[GroupViews], src_map: SlotMap
+) -> dict[str, torch.Tensor]:
     shards: dict[str, list[torch.Tensor]] = {}
     is_attn = srcs[0].desc.model.layers[layer_id].kind == ATTN
     for src, views in zip(srcs if is_attn else srcs[:1], src_views, strict=False):
         for group, view in views:
-            values = decode(view[src_map.block_ids, src_map.slots], src.desc.layout, layer_id,
-                            group)
+            values = decode(
+                view[src_map.block_ids, src_map.slots], src.desc.layout, layer_id, group
+            )
             start = 0
             for p in group:
-                shards.setdefault(p.name, []).append(values[..., start:start + p.width])
+                shards.setdefault(p.name, []).append(values[..., start : start + p.width])
                 start += p.width
     return {name: torch.cat(parts, dim=1) for name, parts in shards.items()}
 
@@ -211,11 +278,12 @@ def _shard(values: torch.Tensor, layout: Layout, kind: str) -> torch.Tensor:
     if kind != ATTN or layout.tp_size == 1:
         return values
     per = values.shape[1] // layout.tp_size
-    return values[:, layout.tp_rank * per:(layout.tp_rank + 1) * per]
+    return values[:, layout.tp_rank * per : (layout.tp_rank + 1) * per]
 
 
-def read_planes(cache: CacheBuffers, layer_id: int, num_tokens: int,
-                block_ids: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
+def read_planes(
+    cache: CacheBuffers, layer_id: int, num_tokens: int, block_ids: Sequence[int] | None = None
+) -> dict[str, torch.Tensor]:
     """One layer's planes of a sequence as float32 `{name: [num_tokens, heads, width]}`."""
     views = [group_views(cache.desc, cache.tensors, layer_id)]
     slot_map = SlotMap.build(cache.desc.layout, num_tokens, block_ids)

@@ -19,7 +19,17 @@ ABI_MINOR = 0
 ATTN, MLA, SHARED = "attn", "mla", "shared"
 ROPE_PAIRINGS = ("half", "pairs")  # half: (i, i+d/2) as HF rotate_half / NEOX; pairs: (2i, 2i+1)
 DTYPES = ("f32", "f16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "u8")
-QUANTS = ("none", "per_tensor", "per_token_head", "fp8_ds_mla", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+QUANTS = (
+    "none",
+    "per_tensor",
+    "per_token_head",
+    "fp8_ds_mla",
+    "q8_0",
+    "q4_0",
+    "q4_1",
+    "q5_0",
+    "q5_1",
+)
 GGML_QUANTS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 PLANE_PLACEMENTS = ("axis", "concat", "separate")
 AXIS_LETTERS = "LKBNHCT"  # layer, plane (K/V), block, slot in block, head, content, token
@@ -54,21 +64,31 @@ class LayerSpec:
         if self.kind == ATTN:
             for name in ("num_kv_heads", "k_dim", "v_dim"):
                 if getattr(self, name) < 1:
-                    raise _fail(name, f"must be >= 1 for an attention layer, got {getattr(self, name)}")
+                    raise _fail(
+                        name, f"must be >= 1 for an attention layer, got {getattr(self, name)}"
+                    )
         elif self.kind == MLA:
             if self.latent_dim < 1 or self.rope_dim < 0:
-                raise _fail("latent_dim", f"MLA needs latent_dim >= 1 and rope_dim >= 0, got "
-                            f"{self.latent_dim}/{self.rope_dim}")
+                raise _fail(
+                    "latent_dim",
+                    f"MLA needs latent_dim >= 1 and rope_dim >= 0, got "
+                    f"{self.latent_dim}/{self.rope_dim}",
+                )
         elif self.kind == SHARED:
             if self.shares < 0:
-                raise _fail("shares", f"a shared layer must name the layer it reads, got {self.shares}")
+                raise _fail(
+                    "shares", f"a shared layer must name the layer it reads, got {self.shares}"
+                )
         else:
             raise _fail("kind", f"unknown layer kind {self.kind!r}; expected attn, mla or shared")
 
     @property
     def planes(self) -> tuple[Plane, ...]:
         if self.kind == ATTN:
-            return (Plane("k", self.num_kv_heads, self.k_dim), Plane("v", self.num_kv_heads, self.v_dim))
+            return (
+                Plane("k", self.num_kv_heads, self.k_dim),
+                Plane("v", self.num_kv_heads, self.v_dim),
+            )
         if self.kind == MLA:
             planes = [Plane("latent", 1, self.latent_dim)]
             return tuple(planes + ([Plane("rope", 1, self.rope_dim)] if self.rope_dim else []))
@@ -102,8 +122,11 @@ class ModelSpec:
             if layer.kind == SHARED:
                 target = self.layers[layer.shares] if layer.shares < len(self.layers) else None
                 if layer.shares == i or target is None or target.kind == SHARED:
-                    raise _fail("shares", f"layer {i} shares layer {layer.shares}, which is not a "
-                                "layer with KV of its own")
+                    raise _fail(
+                        "shares",
+                        f"layer {i} shares layer {layer.shares}, which is not a "
+                        "layer with KV of its own",
+                    )
         if self.rope_pairing not in ROPE_PAIRINGS:
             raise _fail("rope_pairing", f"{self.rope_pairing!r}; expected one of {ROPE_PAIRINGS}")
         k_dims = [lay.k_dim for lay in self.layers if lay.kind == ATTN]
@@ -119,8 +142,12 @@ class ModelSpec:
 
         The RoPE pairing is left out: caches that differ in it convert by a permutation.
         """
-        body = {"fingerprint": self.fingerprint, "k_post_rope": self.k_post_rope,
-                "layers": [_layer_json(lay) for lay in self.layers], "rope_dim": self.rope_dim}
+        body = {
+            "fingerprint": self.fingerprint,
+            "k_post_rope": self.k_post_rope,
+            "layers": [_layer_json(lay) for lay in self.layers],
+            "rope_dim": self.rope_dim,
+        }
         return hashlib.sha256(_canonical(body).encode()).hexdigest()[:32]
 
 
@@ -181,8 +208,11 @@ class Layout:
 
     def _check_quant(self) -> None:
         q, dt = self.quant, self.dtype
-        allowed = {"none": DTYPES[:3], "per_tensor": ("fp8_e4m3", "fp8_e5m2"),
-                   "per_token_head": ("int8", "fp8_e4m3", "fp8_e5m2")}.get(q, ("u8",))
+        allowed = {
+            "none": DTYPES[:3],
+            "per_tensor": ("fp8_e4m3", "fp8_e5m2"),
+            "per_token_head": ("int8", "fp8_e4m3", "fp8_e5m2"),
+        }.get(q, ("u8",))
         if dt not in allowed:
             raise _fail("dtype", f"quant {q!r} stores {'/'.join(allowed)}, not {dt!r}")
         if self.scales and q != "per_tensor":
@@ -220,13 +250,25 @@ class Descriptor:
         m, lay = self.model, self.layout
         return {
             "kvabi": f"{self.version[0]}.{self.version[1]}",
-            "model": {"fingerprint": m.fingerprint, "k_post_rope": m.k_post_rope,
-                      "layers": [_layer_json(x) for x in m.layers],
-                      "rope_dim": m.rope_dim, "rope_pairing": m.rope_pairing},
-            "layout": {"axes": lay.axes, "block_size": lay.block_size, "dtype": lay.dtype,
-                       "name": lay.name, "planes": lay.planes, "quant": lay.quant,
-                       "scales": list(lay.scales), "tp_rank": lay.tp_rank,
-                       "tp_size": lay.tp_size, "v_axes": lay.v_axes},
+            "model": {
+                "fingerprint": m.fingerprint,
+                "k_post_rope": m.k_post_rope,
+                "layers": [_layer_json(x) for x in m.layers],
+                "rope_dim": m.rope_dim,
+                "rope_pairing": m.rope_pairing,
+            },
+            "layout": {
+                "axes": lay.axes,
+                "block_size": lay.block_size,
+                "dtype": lay.dtype,
+                "name": lay.name,
+                "planes": lay.planes,
+                "quant": lay.quant,
+                "scales": list(lay.scales),
+                "tp_rank": lay.tp_rank,
+                "tp_size": lay.tp_size,
+                "v_axes": lay.v_axes,
+            },
         }
 
     @classmethod
@@ -244,11 +286,15 @@ class Descriptor:
             m, lay = data["model"], data["layout"]
             model = ModelSpec(
                 layers=tuple(_layer_from_json(x) for x in m["layers"]),
-                fingerprint=str(m["fingerprint"]), k_post_rope=bool(m["k_post_rope"]),
-                rope_pairing=m["rope_pairing"], rope_dim=int(m["rope_dim"]))
+                fingerprint=str(m["fingerprint"]),
+                k_post_rope=bool(m["k_post_rope"]),
+                rope_pairing=m["rope_pairing"],
+                rope_dim=int(m["rope_dim"]),
+            )
             known = Layout.__dataclass_fields__
-            layout = Layout(**{k: (tuple(v) if k == "scales" else v)
-                               for k, v in lay.items() if k in known})
+            layout = Layout(
+                **{k: (tuple(v) if k == "scales" else v) for k, v in lay.items() if k in known}
+            )
             return cls(model, layout, version)
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             if isinstance(exc, DescriptorError):
@@ -277,25 +323,40 @@ def _check_pair(model: ModelSpec, lay: Layout) -> None:
     for i, layer in owners:
         planes = layer.planes
         if lay.planes == "axis" and len({(p.num_heads, p.width) for p in planes}) > 1:
-            raise _fail("axes", f"layer {i}: planes of different sizes cannot share a K axis; "
-                        "use planes=concat or separate")
+            raise _fail(
+                "axes",
+                f"layer {i}: planes of different sizes cannot share a K axis; "
+                "use planes=concat or separate",
+            )
         if layer.kind == ATTN and layer.num_kv_heads % lay.tp_size:
-            raise _fail("tp_size", f"layer {i} has num_kv_heads={layer.num_kv_heads}, not "
-                        f"divisible by tp_size={lay.tp_size}")
+            raise _fail(
+                "tp_size",
+                f"layer {i} has num_kv_heads={layer.num_kv_heads}, not "
+                f"divisible by tp_size={lay.tp_size}",
+            )
         if lay.quant == "fp8_ds_mla" and not (
-                layer.kind == MLA and layer.latent_dim == 512 and layer.rope_dim == 64):
-            raise _fail("quant", f"fp8_ds_mla records need MLA with kv_lora_rank 512 and rope 64; "
-                        f"layer {i} is {_layer_text(layer)}")
+            layer.kind == MLA and layer.latent_dim == 512 and layer.rope_dim == 64
+        ):
+            raise _fail(
+                "quant",
+                f"fp8_ds_mla records need MLA with kv_lora_rank 512 and rope 64; "
+                f"layer {i} is {_layer_text(layer)}",
+            )
         if lay.quant in GGML_QUANTS and any(p.width % 32 for p in planes):
-            raise _fail("quant", f"{lay.quant} packs 32-element blocks; layer {i} has a width "
-                        "that is not a multiple of 32")
+            raise _fail(
+                "quant",
+                f"{lay.quant} packs 32-element blocks; layer {i} has a width "
+                "that is not a multiple of 32",
+            )
     if lay.quant == "fp8_ds_mla" and lay.planes != "concat":
         raise _fail("planes", "fp8_ds_mla packs latent and rope into one record: planes=concat")
     if lay.is_cross_layer and len({x for _, x in owners}) > 1:
         raise _fail("axes", "an L axis needs every layer to have the same geometry")
     if lay.scales and len(lay.scales) != 2 * model.num_layers:
-        raise _fail("scales", f"{len(lay.scales)} values; per_tensor needs 2 per layer "
-                    f"({2 * model.num_layers})")
+        raise _fail(
+            "scales",
+            f"{len(lay.scales)} values; per_tensor needs 2 per layer ({2 * model.num_layers})",
+        )
 
 
 def _canonical(obj: object) -> str:
@@ -304,8 +365,12 @@ def _canonical(obj: object) -> str:
 
 def _layer_json(layer: LayerSpec) -> dict:
     if layer.kind == ATTN:
-        return {"kind": ATTN, "k_dim": layer.k_dim, "num_kv_heads": layer.num_kv_heads,
-                "v_dim": layer.v_dim}
+        return {
+            "kind": ATTN,
+            "k_dim": layer.k_dim,
+            "num_kv_heads": layer.num_kv_heads,
+            "v_dim": layer.v_dim,
+        }
     if layer.kind == MLA:
         return {"kind": MLA, "latent_dim": layer.latent_dim, "rope_dim": layer.rope_dim}
     return {"kind": SHARED, "shares": layer.shares}

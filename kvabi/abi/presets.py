@@ -30,8 +30,16 @@ class Preset:
     shape: str  # the engine's own description of the tensor(s)
 
 
-def _p(name: str, kind: str, source: str, shape: str, axes: str, bs: int = 16,
-       dtype: str = "bf16", **kw: object) -> Preset:
+def _p(
+    name: str,
+    kind: str,
+    source: str,
+    shape: str,
+    axes: str,
+    bs: int = 16,
+    dtype: str = "bf16",
+    **kw: object,
+) -> Preset:
     planes = "axis" if "K" in axes else str(kw.pop("planes", "separate"))
     layout = Layout(axes=axes, block_size=bs, dtype=dtype, planes=planes, name=name, **kw)
     return Preset(name, layout, kind, source, shape)
@@ -44,60 +52,152 @@ _ROWS = [
     _p("vllm-flashinfer", ATTN, VLLM + "flashinfer.py", "(B,2,N,H,D) blocks-first, NHD", "BKNHC"),
     _p("vllm-flashinfer-hnd", ATTN, VLLM + "flashinfer.py", "(B,2,H,N,D) blocks-first", "BKHNC"),
     _p("vllm-triton", ATTN, VLLM + "triton_attn.py (after PR #37940)", "(B,2,N,H,D)", "BKNHC"),
-    _p("vllm-fp8", ATTN, VLLM + "flash_attn.py, cache_dtype=fp8_e4m3",
-       "(2,B,N,H,D) fp8, per-tensor k/v scales on the layer", "KBNHC", dtype="fp8_e4m3",
-       quant="per_tensor"),
-    _p("vllm-int8-per-token-head", ATTN, VLLM + "triton_attn.py, int8_per_token_head",
-       "(B,2,N,H,D+4) int8, one fp32 scale inline per (token, head)", "BKNHC", dtype="int8",
-       quant="per_token_head"),
-    _p("vllm-fp8-per-token-head", ATTN, VLLM + "triton_attn.py, fp8_per_token_head",
-       "(B,2,N,H,D+4) fp8 e4m3, one fp32 scale inline", "BKNHC", dtype="fp8_e4m3",
-       quant="per_token_head"),
+    _p(
+        "vllm-fp8",
+        ATTN,
+        VLLM + "flash_attn.py, cache_dtype=fp8_e4m3",
+        "(2,B,N,H,D) fp8, per-tensor k/v scales on the layer",
+        "KBNHC",
+        dtype="fp8_e4m3",
+        quant="per_tensor",
+    ),
+    _p(
+        "vllm-int8-per-token-head",
+        ATTN,
+        VLLM + "triton_attn.py, int8_per_token_head",
+        "(B,2,N,H,D+4) int8, one fp32 scale inline per (token, head)",
+        "BKNHC",
+        dtype="int8",
+        quant="per_token_head",
+    ),
+    _p(
+        "vllm-fp8-per-token-head",
+        ATTN,
+        VLLM + "triton_attn.py, fp8_per_token_head",
+        "(B,2,N,H,D+4) fp8 e4m3, one fp32 scale inline",
+        "BKNHC",
+        dtype="fp8_e4m3",
+        quant="per_token_head",
+    ),
     # vLLM classic cross-layer (+L), PR #27743: physical orders
-    _p("vllm-flash-attn-xl", ATTN, VLLM + "flash_attn.py, include_num_layers_dimension",
-       "(B,L,2,N,H,D)", "BLKNHC"),
-    _p("vllm-flash-attn-xl-hnd", ATTN, VLLM + "flash_attn.py, include_num_layers_dimension",
-       "(B,H,L,2,N,D)", "BHLKNC"),
-    _p("vllm-flashinfer-xl-hnd", ATTN, VLLM + "flashinfer.py, include_num_layers_dimension",
-       "(B,2,H,L,N,D)", "BKHLNC"),
+    _p(
+        "vllm-flash-attn-xl",
+        ATTN,
+        VLLM + "flash_attn.py, include_num_layers_dimension",
+        "(B,L,2,N,H,D)",
+        "BLKNHC",
+    ),
+    _p(
+        "vllm-flash-attn-xl-hnd",
+        ATTN,
+        VLLM + "flash_attn.py, include_num_layers_dimension",
+        "(B,H,L,2,N,D)",
+        "BHLKNC",
+    ),
+    _p(
+        "vllm-flashinfer-xl-hnd",
+        ATTN,
+        VLLM + "flashinfer.py, include_num_layers_dimension",
+        "(B,2,H,L,N,D)",
+        "BKHLNC",
+    ),
     # vLLM standardized: K and V packed into C as [2, D]; LBNHC is the default
     _p("vllm-lbnhc", ATTN, VLLM_STD, "(B,H,N,2D) stored B,N,H,C (default)", "BNHKC"),
     _p("vllm-lbhnc", ATTN, VLLM_STD, "(B,H,N,2D) stored B,H,N,C", "BHNKC"),
     _p("vllm-blhnc", ATTN, VLLM_STD, "[L,B,H,N,C] stored B,L,H,N,C (cross-layer)", "BLHNKC"),
     _p("vllm-blnhc", ATTN, VLLM_STD, "[L,B,H,N,C] stored B,L,N,H,C (cross-layer)", "BLNHKC"),
     # vLLM MLA
-    _p("vllm-mla", MLA, VLLM + "mla/common.py", "(B,N,576) latent|rope", "BNHC", bs=64,
-       planes="concat"),
-    _p("vllm-fp8-ds-mla", MLA, VLLM + "mla/flashmla_sparse.py (FlashMLA README)",
-       "(B,N,656) u8: 512 fp8 latent, 4 fp32 tile scales, 64 bf16 rope", "BNHC", bs=64,
-       dtype="u8", quant="fp8_ds_mla", planes="concat"),
+    _p(
+        "vllm-mla",
+        MLA,
+        VLLM + "mla/common.py",
+        "(B,N,576) latent|rope",
+        "BNHC",
+        bs=64,
+        planes="concat",
+    ),
+    _p(
+        "vllm-fp8-ds-mla",
+        MLA,
+        VLLM + "mla/flashmla_sparse.py (FlashMLA README)",
+        "(B,N,656) u8: 512 fp8 latent, 4 fp32 tile scales, 64 bf16 rope",
+        "BNHC",
+        bs=64,
+        dtype="u8",
+        quant="fp8_ds_mla",
+        planes="concat",
+    ),
     # FlashInfer
     _p("flashinfer-nhd", ATTN, FLASHINFER, "[P,2,page,H,D]", "BKNHC"),
     _p("flashinfer-hnd", ATTN, FLASHINFER, "[P,2,H,page,D]", "BKHNC"),
     _p("flashinfer-kv-tuple", ATTN, FLASHINFER, "(k, v), each [P,page,H,D]", "BNHC"),
-    _p("flashinfer-mla", MLA, FLASHINFER + ", mla/_core.py", "ckv [P,page,512], kpe [P,page,64]",
-       "BNHC", bs=64),
+    _p(
+        "flashinfer-mla",
+        MLA,
+        FLASHINFER + ", mla/_core.py",
+        "ckv [P,page,512], kpe [P,page,64]",
+        "BNHC",
+        bs=64,
+    ),
     # SGLang: token-slot-major pools, slot = page_id * page_size + offset
     _p("sglang-mha", ATTN, SGLANG, "k_buffer[l], v_buffer[l]: [slots, H, D]", "BNHC", bs=1),
     _p("sglang-mha-hnd", ATTN, SGLANG + " (SGLANG_USE_HND_KVCACHE)", "[pages,H,page,D]", "BHNC"),
-    _p("sglang-mla", MLA, SGLANG, "kv_buffer[l]: [slots, 1, lora+rope]", "BNHC", bs=1,
-       planes="concat"),
+    _p(
+        "sglang-mla",
+        MLA,
+        SGLANG,
+        "kv_buffer[l]: [slots, 1, lora+rope]",
+        "BNHC",
+        bs=1,
+        planes="concat",
+    ),
     # TensorRT-LLM: one pool, all layers of a block together, HND inside
     _p("trtllm", ATTN, TRTLLM, "{blocks, layers, kvFactor=2, [H, tokens, D]}", "BLKHNC", bs=32),
-    _p("trtllm-mla", MLA, TRTLLM + " (kSELFKONLY)", "{blocks, layers, 1, [1, tokens, rank+rope]}",
-       "BLHNC", bs=32, planes="concat"),
+    _p(
+        "trtllm-mla",
+        MLA,
+        TRTLLM + " (kSELFKONLY)",
+        "{blocks, layers, 1, [1, tokens, rank+rope]}",
+        "BLHNC",
+        bs=32,
+        planes="concat",
+    ),
     # HF transformers DynamicCache: per layer keys/values [batch, H, S, D], one batch row
     _p("hf-dynamic", ATTN, HF, "keys, values: [batch, H_kv, S, D]", "HTC", bs=0),
     # llama.cpp state: per layer K rows [cell][H*D]; V rows, or V^T [H*D][cell] without FA
     _p("llamacpp-f16", ATTN, LLAMACPP, "K rows [cell][H*D], V rows", "THC", bs=0, dtype="f16"),
-    _p("llamacpp-f16-vtrans", ATTN, LLAMACPP, "K rows, V^T [H*D][cell]", "THC", bs=0,
-       dtype="f16", v_axes="HCT"),
+    _p(
+        "llamacpp-f16-vtrans",
+        ATTN,
+        LLAMACPP,
+        "K rows, V^T [H*D][cell]",
+        "THC",
+        bs=0,
+        dtype="f16",
+        v_axes="HCT",
+    ),
     _p("llamacpp-f32", ATTN, LLAMACPP, "K rows, V rows, f32", "THC", bs=0, dtype="f32"),
-    _p("llamacpp-f32-vtrans", ATTN, LLAMACPP, "K rows, V^T, f32", "THC", bs=0, dtype="f32",
-       v_axes="HCT"),
+    _p(
+        "llamacpp-f32-vtrans",
+        ATTN,
+        LLAMACPP,
+        "K rows, V^T, f32",
+        "THC",
+        bs=0,
+        dtype="f32",
+        v_axes="HCT",
+    ),
     _p("llamacpp-bf16", ATTN, LLAMACPP, "K rows, V rows, bf16", "THC", bs=0, dtype="bf16"),
-    _p("llamacpp-q8_0", ATTN, LLAMACPP, "K and V rows in q8_0 blocks (34 B per 32)", "THC",
-       bs=0, dtype="u8", quant="q8_0"),
+    _p(
+        "llamacpp-q8_0",
+        ATTN,
+        LLAMACPP,
+        "K and V rows in q8_0 blocks (34 B per 32)",
+        "THC",
+        bs=0,
+        dtype="u8",
+        quant="q8_0",
+    ),
 ]
 PRESETS: dict[str, Preset] = {p.name: p for p in _ROWS}
 
@@ -109,8 +209,9 @@ def preset_descriptor(name: str, model: ModelSpec, **overrides: object) -> Descr
         raise DescriptorError(f"unknown preset {name!r}; `kvabi layouts` lists {len(PRESETS)}")
     kinds = {x.kind for x in model.layers} - {"shared"}
     if kinds != {preset.kind}:
-        raise DescriptorError(f"preset {name!r} is for {preset.kind} layers; the model has "
-                              f"{sorted(kinds)}")
+        raise DescriptorError(
+            f"preset {name!r} is for {preset.kind} layers; the model has {sorted(kinds)}"
+        )
     return Descriptor(model, replace(preset.layout, **overrides))
 
 

@@ -15,8 +15,8 @@ from kvabi.abi.descriptor import (
     MLA,
     SHARED,
     Descriptor,
-    Layout,
     LayerSpec,
+    Layout,
     ModelSpec,
     parse_version,
 )
@@ -42,7 +42,7 @@ def layer_from_text(text: str) -> LayerSpec:
         latent, _, rope = rest.partition("+")
         return LayerSpec(MLA, latent_dim=int(latent), rope_dim=int(rope or 0))
     if text.startswith("shared@"):
-        return LayerSpec(SHARED, shares=int(text[len("shared@"):]))
+        return LayerSpec(SHARED, shares=int(text[len("shared@") :]))
     raise DescriptorError(f"layers: cannot read layer {text!r}")
 
 
@@ -51,14 +51,25 @@ def to_text(desc: Descriptor) -> str:
     runs = [(layer_to_text(k), len(list(g))) for k, g in groupby(m.layers)]
     layers = ",".join(t if n == 1 else f"{n}*{t}" for t, n in runs)
     rope = f"{'post' if m.k_post_rope else 'pre'}:{m.rope_pairing}" + (
-        f":{m.rope_dim}" if m.rope_dim else "")
-    fields = [f"kvabi/{desc.version[0]}.{desc.version[1]}", f"layers={layers}",
-              f"fp={quote(m.fingerprint, safe='')}", f"rope={rope}", f"axes={lay.axes}",
-              f"bs={lay.block_size}", f"dtype={lay.dtype}"]
-    optional = {"quant": (lay.quant, "none"), "planes": (lay.planes, "axis"),
-                "v_axes": (lay.v_axes, ""), "tp": (f"{lay.tp_rank}/{lay.tp_size}", "0/1"),
-                "scales": (",".join(repr(s) for s in lay.scales), ""),
-                "name": (quote(lay.name, safe=""), "")}
+        f":{m.rope_dim}" if m.rope_dim else ""
+    )
+    fields = [
+        f"kvabi/{desc.version[0]}.{desc.version[1]}",
+        f"layers={layers}",
+        f"fp={quote(m.fingerprint, safe='')}",
+        f"rope={rope}",
+        f"axes={lay.axes}",
+        f"bs={lay.block_size}",
+        f"dtype={lay.dtype}",
+    ]
+    optional = {
+        "quant": (lay.quant, "none"),
+        "planes": (lay.planes, "axis"),
+        "v_axes": (lay.v_axes, ""),
+        "tp": (f"{lay.tp_rank}/{lay.tp_size}", "0/1"),
+        "scales": (",".join(repr(s) for s in lay.scales), ""),
+        "name": (quote(lay.name, safe=""), ""),
+    }
     fields += [f"{k}={v}" for k, (v, default) in optional.items() if v != default]
     return " ".join(fields)
 
@@ -69,7 +80,7 @@ def from_text(text: str) -> Descriptor:
     if not head.startswith("kvabi/"):
         raise DescriptorError(f"text form must start with 'kvabi/MAJOR.MINOR', got {head!r}")
     try:
-        version = parse_version(head[len("kvabi/"):])
+        version = parse_version(head[len("kvabi/") :])
         kv = dict(p.split("=", 1) for p in pairs)
         return Descriptor(_model(kv), _layout(kv), version)
     except (KeyError, ValueError) as exc:
@@ -86,14 +97,27 @@ def _model(kv: dict[str, str]) -> ModelSpec:
     post, pairing, *rope_dim = kv["rope"].split(":")
     if post not in ("post", "pre"):
         raise DescriptorError(f"rope: expected post or pre, got {post!r}")
-    return ModelSpec(tuple(layers), unquote(kv["fp"]), post == "post", pairing,
-                     int(rope_dim[0]) if rope_dim else 0)
+    return ModelSpec(
+        tuple(layers),
+        unquote(kv["fp"]),
+        post == "post",
+        pairing,
+        int(rope_dim[0]) if rope_dim else 0,
+    )
 
 
 def _layout(kv: dict[str, str]) -> Layout:
     rank, size = kv.get("tp", "0/1").split("/")
     scales = tuple(float(s) for s in kv["scales"].split(",")) if kv.get("scales") else ()
-    return Layout(axes=kv["axes"], block_size=int(kv["bs"]), dtype=kv["dtype"],
-                  quant=kv.get("quant", "none"), planes=kv.get("planes", "axis"),
-                  v_axes=kv.get("v_axes", ""), tp_rank=int(rank), tp_size=int(size),
-                  scales=scales, name=unquote(kv.get("name", "")))
+    return Layout(
+        axes=kv["axes"],
+        block_size=int(kv["bs"]),
+        dtype=kv["dtype"],
+        quant=kv.get("quant", "none"),
+        planes=kv.get("planes", "axis"),
+        v_axes=kv.get("v_axes", ""),
+        tp_rank=int(rank),
+        tp_size=int(size),
+        scales=scales,
+        name=unquote(kv.get("name", "")),
+    )

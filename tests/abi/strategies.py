@@ -2,7 +2,7 @@
 
 from hypothesis import strategies as st
 
-from kvabi.abi.descriptor import ATTN, MLA, SHARED, Descriptor, Layout, LayerSpec, ModelSpec
+from kvabi.abi.descriptor import ATTN, MLA, SHARED, Descriptor, LayerSpec, Layout, ModelSpec
 
 PAGED_AXES = ["KBNHC", "KBHNC", "BKNHC", "BKHNC", "BNHKC", "BHNKC", "HKBNC", "BNKHC"]
 CROSS_AXES = ["BLKNHC", "BHLKNC", "BKHLNC", "BLHNKC", "LKBNHC"]
@@ -38,8 +38,9 @@ def attn_layouts(draw, model: ModelSpec) -> Layout:
     kind = draw(st.sampled_from(["paged", "unpaged", "separate"] + (["cross"] if uniform else [])))
     dtype = draw(st.sampled_from(["f32", "bf16", "f16"]))
     if kind == "unpaged":
-        return Layout("THC", 0, dtype, planes="separate",
-                      v_axes=draw(st.sampled_from(["", "HCT", "TCH"])))
+        return Layout(
+            "THC", 0, dtype, planes="separate", v_axes=draw(st.sampled_from(["", "HCT", "TCH"]))
+        )
     bs = draw(st.sampled_from([1, 3, 4, 16]))
     if kind == "separate":
         return Layout(draw(st.sampled_from(["BNHC", "BHNC"])), bs, dtype, planes="separate")
@@ -50,9 +51,17 @@ def attn_layouts(draw, model: ModelSpec) -> Layout:
 @st.composite
 def descriptors(draw) -> Descriptor:
     if draw(st.integers(0, 4)) == 0:
-        model = ModelSpec((LayerSpec(MLA, latent_dim=draw(st.sampled_from([16, 512])),
-                                     rope_dim=draw(st.sampled_from([0, 8, 64]))),) * 2, "mla")
-        return Descriptor(model, Layout("BNHC", draw(st.integers(1, 64)), "bf16",
-                                        planes="concat"))
+        model = ModelSpec(
+            (
+                LayerSpec(
+                    MLA,
+                    latent_dim=draw(st.sampled_from([16, 512])),
+                    rope_dim=draw(st.sampled_from([0, 8, 64])),
+                ),
+            )
+            * 2,
+            "mla",
+        )
+        return Descriptor(model, Layout("BNHC", draw(st.integers(1, 64)), "bf16", planes="concat"))
     model = draw(attn_models())
     return Descriptor(model, draw(attn_layouts(model)))

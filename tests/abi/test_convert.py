@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 from kvabi.abi.buffers import CacheBuffers, allocate, owner_layers
 from kvabi.abi.convert import convert, read_planes, reshard
-from kvabi.abi.descriptor import ATTN, Descriptor, Layout, LayerSpec, ModelSpec
+from kvabi.abi.descriptor import ATTN, Descriptor, LayerSpec, Layout, ModelSpec
 from kvabi.abi.errors import IncompatibleError, ShapeError
 from kvabi.abi.presets import PRESETS, preset_descriptor
 from kvabi.abi.rope import permute_pairing
@@ -17,8 +17,10 @@ LOSSLESS = [n for n, p in PRESETS.items() if p.kind == ATTN and p.layout.quant =
 def _filled(desc: Descriptor, extent: int, seed: int = 0) -> CacheBuffers:
     """Values exact in f32, bf16 and f16 (multiples of 1/8 below 16), so every cast is lossless."""
     g = torch.Generator().manual_seed(seed)
-    tensors = {k: (torch.randint(-127, 128, v.shape, generator=g) / 8).to(v.dtype)
-               for k, v in allocate(desc, extent).items()}
+    tensors = {
+        k: (torch.randint(-127, 128, v.shape, generator=g) / 8).to(v.dtype)
+        for k, v in allocate(desc, extent).items()
+    }
     return CacheBuffers(desc, tensors)
 
 
@@ -26,8 +28,9 @@ def _same_tokens(a: CacheBuffers, b: CacheBuffers, n: int, a_ids=None, b_ids=Non
     for layer in owner_layers(a.desc):
         pa, pb = read_planes(a, layer, n, a_ids), read_planes(b, layer, n, b_ids)
         if a.desc.model.rope_pairing != b.desc.model.rope_pairing:
-            pb["k"] = permute_pairing(pb["k"], b.desc.model.rope_pairing,
-                                      a.desc.model.rope_pairing, a.desc.model.rope_dim)
+            pb["k"] = permute_pairing(
+                pb["k"], b.desc.model.rope_pairing, a.desc.model.rope_pairing, a.desc.model.rope_dim
+            )
         if pa.keys() != pb.keys() or not all(torch.equal(pa[k], pb[k]) for k in pa):
             return False
     return True
@@ -38,8 +41,9 @@ def _same_tokens(a: CacheBuffers, b: CacheBuffers, n: int, a_ids=None, b_ids=Non
 def test_random_geometries_round_trip_bit_exactly(data):
     model = data.draw(attn_models())
     a = Descriptor(model, data.draw(attn_layouts(model)))
-    b_model = ModelSpec(model.layers, model.fingerprint,
-                        rope_pairing=data.draw(st.sampled_from(["half", "pairs"])))
+    b_model = ModelSpec(
+        model.layers, model.fingerprint, rope_pairing=data.draw(st.sampled_from(["half", "pairs"]))
+    )
     b = Descriptor(b_model, data.draw(attn_layouts(model)))
     n = data.draw(st.integers(1, 40))
     src = _filled(a, -(-n // a.layout.block_size) if a.layout.is_paged else n)
@@ -52,8 +56,9 @@ def test_random_geometries_round_trip_bit_exactly(data):
 @pytest.mark.parametrize("src_name", LOSSLESS)
 def test_every_lossless_preset_pair_round_trips(src_name):
     model = ModelSpec((LayerSpec(ATTN, 2, 16, 16),) * 2, "m")
-    src = _filled(preset_descriptor(src_name, model), 7 if PRESETS[src_name].layout.is_paged
-                  else 100)
+    src = _filled(
+        preset_descriptor(src_name, model), 7 if PRESETS[src_name].layout.is_paged else 100
+    )
     n = 100 if not src.desc.layout.is_paged else 7 * src.desc.layout.block_size
     for dst_name in LOSSLESS:
         there = convert(src, preset_descriptor(dst_name, model), num_tokens=n)

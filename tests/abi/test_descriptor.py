@@ -8,8 +8,8 @@ from kvabi.abi.descriptor import (
     MLA,
     SHARED,
     Descriptor,
-    Layout,
     LayerSpec,
+    Layout,
     ModelSpec,
 )
 from kvabi.abi.errors import DescriptorError
@@ -28,10 +28,17 @@ def test_text_and_json_forms_round_trip(desc):
 
 def test_text_form_golden():
     desc = Descriptor(GQA, Layout("KBNHC", 16, "bf16", tp_rank=1, tp_size=2))
-    assert str(desc) == ("kvabi/1.0 layers=2*attn:8x128 fp=llama rope=post:half axes=KBNHC "
-                         "bs=16 dtype=bf16 tp=1/2")
-    mixed = ModelSpec((LayerSpec(ATTN, 2, 64, 32), LayerSpec(SHARED, shares=0),
-                       LayerSpec(MLA, latent_dim=512, rope_dim=64)), "a b")
+    assert str(desc) == (
+        "kvabi/1.0 layers=2*attn:8x128 fp=llama rope=post:half axes=KBNHC bs=16 dtype=bf16 tp=1/2"
+    )
+    mixed = ModelSpec(
+        (
+            LayerSpec(ATTN, 2, 64, 32),
+            LayerSpec(SHARED, shares=0),
+            LayerSpec(MLA, latent_dim=512, rope_dim=64),
+        ),
+        "a b",
+    )
     text = str(Descriptor(mixed, Layout("BNHC", 4, "f32", planes="separate")))
     assert "layers=attn:2x64/32,shared@0,mla:512+64 fp=a%20b" in text
 
@@ -46,24 +53,37 @@ def test_json_is_canonical_and_ignores_unknown_fields_of_known_major():
     assert parsed.layout == desc.layout and parsed.version == (1, 9)
 
 
-@pytest.mark.parametrize("build, field", [
-    (lambda: Layout("KBNHC", 0, "bf16"), "block_size"),
-    (lambda: Layout("KBNHC", -4, "bf16"), "block_size"),
-    (lambda: Layout("KBNXC", 16, "bf16"), "axes"),
-    (lambda: Layout("KBNHC", 16, "bf17"), "dtype"),
-    (lambda: Layout("BNHC", 16, "bf16"), "planes"),
-    (lambda: Layout("KBNHC", 16, "bf16", tp_rank=2, tp_size=2), "tp_rank"),
-    (lambda: Layout("KBNHC", 16, "bf16", quant="per_tensor"), "dtype"),
-    (lambda: Descriptor(GQA, Layout("KBNHC", 16, "bf16", tp_size=3)), "tp_size"),
-    (lambda: Descriptor(ModelSpec((LayerSpec(MLA, latent_dim=448, rope_dim=64),)),
-                        Layout("BNHC", 64, "u8", quant="fp8_ds_mla", planes="concat")), "quant"),
-    (lambda: Descriptor(ModelSpec((LayerSpec(ATTN, 2, 64, 32),)), Layout("KBNHC", 4)), "axes"),
-    (lambda: LayerSpec(ATTN, 0, 64, 64), "num_kv_heads"),
-    (lambda: ModelSpec((LayerSpec(SHARED, shares=0),)), "shares"),
-    (lambda: ModelSpec((LayerSpec(ATTN, 2, 64, 64),), rope_dim=65), "rope_dim"),
-    (lambda: Descriptor(ModelSpec((LayerSpec(ATTN, 2, 64, 64), LayerSpec(ATTN, 4, 64, 64))),
-                        Layout("LKBNHC", 16)), "axes"),
-])
+@pytest.mark.parametrize(
+    "build, field",
+    [
+        (lambda: Layout("KBNHC", 0, "bf16"), "block_size"),
+        (lambda: Layout("KBNHC", -4, "bf16"), "block_size"),
+        (lambda: Layout("KBNXC", 16, "bf16"), "axes"),
+        (lambda: Layout("KBNHC", 16, "bf17"), "dtype"),
+        (lambda: Layout("BNHC", 16, "bf16"), "planes"),
+        (lambda: Layout("KBNHC", 16, "bf16", tp_rank=2, tp_size=2), "tp_rank"),
+        (lambda: Layout("KBNHC", 16, "bf16", quant="per_tensor"), "dtype"),
+        (lambda: Descriptor(GQA, Layout("KBNHC", 16, "bf16", tp_size=3)), "tp_size"),
+        (
+            lambda: Descriptor(
+                ModelSpec((LayerSpec(MLA, latent_dim=448, rope_dim=64),)),
+                Layout("BNHC", 64, "u8", quant="fp8_ds_mla", planes="concat"),
+            ),
+            "quant",
+        ),
+        (lambda: Descriptor(ModelSpec((LayerSpec(ATTN, 2, 64, 32),)), Layout("KBNHC", 4)), "axes"),
+        (lambda: LayerSpec(ATTN, 0, 64, 64), "num_kv_heads"),
+        (lambda: ModelSpec((LayerSpec(SHARED, shares=0),)), "shares"),
+        (lambda: ModelSpec((LayerSpec(ATTN, 2, 64, 64),), rope_dim=65), "rope_dim"),
+        (
+            lambda: Descriptor(
+                ModelSpec((LayerSpec(ATTN, 2, 64, 64), LayerSpec(ATTN, 4, 64, 64))),
+                Layout("LKBNHC", 16),
+            ),
+            "axes",
+        ),
+    ],
+)
 def test_impossible_geometry_is_refused_naming_the_field(build, field):
     with pytest.raises(DescriptorError, match=f"^{field}:"):
         build()

@@ -9,7 +9,7 @@ import torch
 
 from kvabi.abi.buffers import CacheBuffers
 from kvabi.abi.convert import convert
-from kvabi.abi.descriptor import ATTN, MLA, Layout, LayerSpec, ModelSpec
+from kvabi.abi.descriptor import ATTN, MLA, LayerSpec, Layout, ModelSpec
 from kvabi.abi.presets import PRESETS, preset_descriptor
 
 L, H, D, T, BS = 2, 2, 32, 11, 4
@@ -25,8 +25,11 @@ def _source(model, planes, seed=0):
     from kvabi.abi.descriptor import Descriptor
 
     desc = Descriptor(model, lay)
-    vals = {f"{l}.{p}": torch.randn(T, h, w, generator=g).bfloat16().float()
-            for l in range(L) for p, h, w in planes}
+    vals = {
+        f"{l}.{p}": torch.randn(T, h, w, generator=g).bfloat16().float()
+        for l in range(L)
+        for p, h, w in planes
+    }
     return CacheBuffers(desc, vals), vals
 
 
@@ -43,6 +46,7 @@ def _per_layer(shape, fill):
                 fill(buf, b, n, vals[f"{l}.k"][t], vals[f"{l}.v"][t])
             out[str(l)] = buf
         return out
+
     return build
 
 
@@ -53,6 +57,7 @@ def _cross(shape, fill):
             for t, b, n in _tokens():
                 fill(buf, l, b, n, vals[f"{l}.k"][t], vals[f"{l}.v"][t])
         return {"all": buf}
+
     return build
 
 
@@ -66,6 +71,7 @@ def _split(shape, put):
                     put(buf, p, t, b, n, vals[f"{l}.{p}"][t])
                 out[f"{l}.{p}"] = buf
         return out
+
     return build
 
 
@@ -74,63 +80,126 @@ def _set(buf, idx, value):
 
 
 ATTN_EXPECTED = {
-    "vllm-flash-attn": _per_layer((2, NB, BS, H, D), lambda x, b, n, k, v: (
-        _set(x, (0, b, n), k), _set(x, (1, b, n), v))),
-    "vllm-flash-attn-hnd": _per_layer((2, NB, H, BS, D), lambda x, b, n, k, v: (
-        _set(x, (0, b, slice(None), n), k), _set(x, (1, b, slice(None), n), v))),
-    "vllm-flashinfer": _per_layer((NB, 2, BS, H, D), lambda x, b, n, k, v: (
-        _set(x, (b, 0, n), k), _set(x, (b, 1, n), v))),
-    "vllm-triton": _per_layer((NB, 2, BS, H, D), lambda x, b, n, k, v: (
-        _set(x, (b, 0, n), k), _set(x, (b, 1, n), v))),
-    "vllm-flashinfer-hnd": _per_layer((NB, 2, H, BS, D), lambda x, b, n, k, v: (
-        _set(x, (b, 0, slice(None), n), k), _set(x, (b, 1, slice(None), n), v))),
-    "flashinfer-nhd": _per_layer((NB, 2, BS, H, D), lambda x, b, n, k, v: (
-        _set(x, (b, 0, n), k), _set(x, (b, 1, n), v))),
-    "flashinfer-hnd": _per_layer((NB, 2, H, BS, D), lambda x, b, n, k, v: (
-        _set(x, (b, 0, slice(None), n), k), _set(x, (b, 1, slice(None), n), v))),
+    "vllm-flash-attn": _per_layer(
+        (2, NB, BS, H, D), lambda x, b, n, k, v: (_set(x, (0, b, n), k), _set(x, (1, b, n), v))
+    ),
+    "vllm-flash-attn-hnd": _per_layer(
+        (2, NB, H, BS, D),
+        lambda x, b, n, k, v: (
+            _set(x, (0, b, slice(None), n), k),
+            _set(x, (1, b, slice(None), n), v),
+        ),
+    ),
+    "vllm-flashinfer": _per_layer(
+        (NB, 2, BS, H, D), lambda x, b, n, k, v: (_set(x, (b, 0, n), k), _set(x, (b, 1, n), v))
+    ),
+    "vllm-triton": _per_layer(
+        (NB, 2, BS, H, D), lambda x, b, n, k, v: (_set(x, (b, 0, n), k), _set(x, (b, 1, n), v))
+    ),
+    "vllm-flashinfer-hnd": _per_layer(
+        (NB, 2, H, BS, D),
+        lambda x, b, n, k, v: (
+            _set(x, (b, 0, slice(None), n), k),
+            _set(x, (b, 1, slice(None), n), v),
+        ),
+    ),
+    "flashinfer-nhd": _per_layer(
+        (NB, 2, BS, H, D), lambda x, b, n, k, v: (_set(x, (b, 0, n), k), _set(x, (b, 1, n), v))
+    ),
+    "flashinfer-hnd": _per_layer(
+        (NB, 2, H, BS, D),
+        lambda x, b, n, k, v: (
+            _set(x, (b, 0, slice(None), n), k),
+            _set(x, (b, 1, slice(None), n), v),
+        ),
+    ),
     # vLLM standardized (B,H,N,2D): per (token, head) D of K then D of V
-    "vllm-lbhnc": _per_layer((NB, H, BS, 2 * D), lambda x, b, n, k, v: (
-        _set(x, (b, slice(None), n, slice(0, D)), k), _set(x, (b, slice(None), n, slice(D, None)), v))),
-    "vllm-lbnhc": _per_layer((NB, BS, H, 2 * D), lambda x, b, n, k, v: (
-        _set(x, (b, n, slice(None), slice(0, D)), k), _set(x, (b, n, slice(None), slice(D, None)), v))),
-    "vllm-flash-attn-xl": _cross((NB, L, 2, BS, H, D), lambda x, l, b, n, k, v: (
-        _set(x, (b, l, 0, n), k), _set(x, (b, l, 1, n), v))),
-    "vllm-flash-attn-xl-hnd": _cross((NB, H, L, 2, BS, D), lambda x, l, b, n, k, v: (
-        _set(x, (b, slice(None), l, 0, n), k), _set(x, (b, slice(None), l, 1, n), v))),
-    "vllm-flashinfer-xl-hnd": _cross((NB, 2, H, L, BS, D), lambda x, l, b, n, k, v: (
-        _set(x, (b, 0, slice(None), l, n), k), _set(x, (b, 1, slice(None), l, n), v))),
-    "vllm-blhnc": _cross((NB, L, H, BS, 2 * D), lambda x, l, b, n, k, v: (
-        _set(x, (b, l, slice(None), n, slice(0, D)), k),
-        _set(x, (b, l, slice(None), n, slice(D, None)), v))),
-    "vllm-blnhc": _cross((NB, L, BS, H, 2 * D), lambda x, l, b, n, k, v: (
-        _set(x, (b, l, n, slice(None), slice(0, D)), k),
-        _set(x, (b, l, n, slice(None), slice(D, None)), v))),
+    "vllm-lbhnc": _per_layer(
+        (NB, H, BS, 2 * D),
+        lambda x, b, n, k, v: (
+            _set(x, (b, slice(None), n, slice(0, D)), k),
+            _set(x, (b, slice(None), n, slice(D, None)), v),
+        ),
+    ),
+    "vllm-lbnhc": _per_layer(
+        (NB, BS, H, 2 * D),
+        lambda x, b, n, k, v: (
+            _set(x, (b, n, slice(None), slice(0, D)), k),
+            _set(x, (b, n, slice(None), slice(D, None)), v),
+        ),
+    ),
+    "vllm-flash-attn-xl": _cross(
+        (NB, L, 2, BS, H, D),
+        lambda x, l, b, n, k, v: (_set(x, (b, l, 0, n), k), _set(x, (b, l, 1, n), v)),
+    ),
+    "vllm-flash-attn-xl-hnd": _cross(
+        (NB, H, L, 2, BS, D),
+        lambda x, l, b, n, k, v: (
+            _set(x, (b, slice(None), l, 0, n), k),
+            _set(x, (b, slice(None), l, 1, n), v),
+        ),
+    ),
+    "vllm-flashinfer-xl-hnd": _cross(
+        (NB, 2, H, L, BS, D),
+        lambda x, l, b, n, k, v: (
+            _set(x, (b, 0, slice(None), l, n), k),
+            _set(x, (b, 1, slice(None), l, n), v),
+        ),
+    ),
+    "vllm-blhnc": _cross(
+        (NB, L, H, BS, 2 * D),
+        lambda x, l, b, n, k, v: (
+            _set(x, (b, l, slice(None), n, slice(0, D)), k),
+            _set(x, (b, l, slice(None), n, slice(D, None)), v),
+        ),
+    ),
+    "vllm-blnhc": _cross(
+        (NB, L, BS, H, 2 * D),
+        lambda x, l, b, n, k, v: (
+            _set(x, (b, l, n, slice(None), slice(0, D)), k),
+            _set(x, (b, l, n, slice(None), slice(D, None)), v),
+        ),
+    ),
     # TensorRT-LLM pool {blocks, layers, kvFactor, H*tokens*D}, HND inside the block
-    "trtllm": _cross((NB, L, 2, H, BS, D), lambda x, l, b, n, k, v: (
-        _set(x, (b, l, 0, slice(None), n), k), _set(x, (b, l, 1, slice(None), n), v))),
+    "trtllm": _cross(
+        (NB, L, 2, H, BS, D),
+        lambda x, l, b, n, k, v: (
+            _set(x, (b, l, 0, slice(None), n), k),
+            _set(x, (b, l, 1, slice(None), n), v),
+        ),
+    ),
     # SGLang [slots, H, D] with slot = page * page_size + offset
-    "sglang-mha": _split(lambda p: (NB * BS, H, D),
-                         lambda x, p, t, b, n, val: _set(x, b * BS + n, val)),
-    "sglang-mha-hnd": _split(lambda p: (NB, H, BS, D),
-                             lambda x, p, t, b, n, val: _set(x, (b, slice(None), n), val)),
-    "flashinfer-kv-tuple": _split(lambda p: (NB, BS, H, D),
-                                  lambda x, p, t, b, n, val: _set(x, (b, n), val)),
+    "sglang-mha": _split(
+        lambda p: (NB * BS, H, D), lambda x, p, t, b, n, val: _set(x, b * BS + n, val)
+    ),
+    "sglang-mha-hnd": _split(
+        lambda p: (NB, H, BS, D), lambda x, p, t, b, n, val: _set(x, (b, slice(None), n), val)
+    ),
+    "flashinfer-kv-tuple": _split(
+        lambda p: (NB, BS, H, D), lambda x, p, t, b, n, val: _set(x, (b, n), val)
+    ),
     # HF DynamicLayer keys/values [batch=1 row] -> [H, S, D]
-    "hf-dynamic": _split(lambda p: (H, T, D),
-                         lambda x, p, t, b, n, val: _set(x, (slice(None), t), val)),
+    "hf-dynamic": _split(
+        lambda p: (H, T, D), lambda x, p, t, b, n, val: _set(x, (slice(None), t), val)
+    ),
     # llama.cpp rows [cell][H*D]; V^T [H*D][cell]
-    "llamacpp-f16": _split(lambda p: (T, H * D), lambda x, p, t, b, n, val: _set(
-        x, t, val.reshape(-1))),
-    "llamacpp-f32": _split(lambda p: (T, H * D), lambda x, p, t, b, n, val: _set(
-        x, t, val.reshape(-1))),
-    "llamacpp-bf16": _split(lambda p: (T, H * D), lambda x, p, t, b, n, val: _set(
-        x, t, val.reshape(-1))),
-    "llamacpp-f16-vtrans": _split(lambda p: (T, H * D) if p == "k" else (H * D, T),
-                                  lambda x, p, t, b, n, val: _set(
-                                      x, t if p == "k" else (slice(None), t), val.reshape(-1))),
-    "llamacpp-f32-vtrans": _split(lambda p: (T, H * D) if p == "k" else (H * D, T),
-                                  lambda x, p, t, b, n, val: _set(
-                                      x, t if p == "k" else (slice(None), t), val.reshape(-1))),
+    "llamacpp-f16": _split(
+        lambda p: (T, H * D), lambda x, p, t, b, n, val: _set(x, t, val.reshape(-1))
+    ),
+    "llamacpp-f32": _split(
+        lambda p: (T, H * D), lambda x, p, t, b, n, val: _set(x, t, val.reshape(-1))
+    ),
+    "llamacpp-bf16": _split(
+        lambda p: (T, H * D), lambda x, p, t, b, n, val: _set(x, t, val.reshape(-1))
+    ),
+    "llamacpp-f16-vtrans": _split(
+        lambda p: (T, H * D) if p == "k" else (H * D, T),
+        lambda x, p, t, b, n, val: _set(x, t if p == "k" else (slice(None), t), val.reshape(-1)),
+    ),
+    "llamacpp-f32-vtrans": _split(
+        lambda p: (T, H * D) if p == "k" else (H * D, T),
+        lambda x, p, t, b, n, val: _set(x, t if p == "k" else (slice(None), t), val.reshape(-1)),
+    ),
 }
 
 
@@ -141,8 +210,9 @@ def _flat_bytes(t: torch.Tensor) -> bytes:
 @pytest.mark.parametrize("name", sorted(ATTN_EXPECTED))
 def test_plain_preset_matches_engine_construction(name):
     src, vals = _source(ATTN_MODEL, [("k", H, D), ("v", H, D)])
-    desc = preset_descriptor(name, ATTN_MODEL, **({"block_size": BS} if PRESETS[name].layout
-                                                   .is_paged else {}))
+    desc = preset_descriptor(
+        name, ATTN_MODEL, **({"block_size": BS} if PRESETS[name].layout.is_paged else {})
+    )
     got = convert(src, desc, num_tokens=T, out=CacheBuffers.empty(desc, _extent(desc), "zeros"))
     want = ATTN_EXPECTED[name](vals)
     assert sorted(got.tensors) == sorted(want)
@@ -155,8 +225,7 @@ def _extent(desc):
 
 
 def test_every_attention_preset_is_covered_by_a_construction():
-    quantised = {"vllm-fp8", "vllm-int8-per-token-head", "vllm-fp8-per-token-head",
-                 "llamacpp-q8_0"}
+    quantised = {"vllm-fp8", "vllm-int8-per-token-head", "vllm-fp8-per-token-head", "llamacpp-q8_0"}
     attn = {n for n, p in PRESETS.items() if p.kind == ATTN}
     assert attn - quantised == set(ATTN_EXPECTED)
 
@@ -203,19 +272,25 @@ def _ds_mla_record(latent: np.ndarray, rope: np.ndarray) -> bytes:
     out = b""
     scales = []
     for i in range(4):
-        tile = latent[128 * i:128 * (i + 1)]
+        tile = latent[128 * i : 128 * (i + 1)]
         scale = np.float32(np.abs(tile).max()) / np.float32(448.0)
         scales.append(scale)
-        out += torch.from_numpy(tile / scale).to(torch.float8_e4m3fn).view(torch.uint8).numpy()\
+        out += (
+            torch.from_numpy(tile / scale)
+            .to(torch.float8_e4m3fn)
+            .view(torch.uint8)
+            .numpy()
             .tobytes()
+        )
     out += struct.pack("<4f", *scales)
     out += torch.from_numpy(rope).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
     assert len(out) == 656
     return out
 
 
-@pytest.mark.parametrize("name", ["vllm-mla", "sglang-mla", "flashinfer-mla", "trtllm-mla",
-                                  "vllm-fp8-ds-mla"])
+@pytest.mark.parametrize(
+    "name", ["vllm-mla", "sglang-mla", "flashinfer-mla", "trtllm-mla", "vllm-fp8-ds-mla"]
+)
 def test_mla_presets(name):
     src, vals = _source(MLA_MODEL, MLA_PLANES)
     desc = preset_descriptor(name, MLA_MODEL, block_size=BS)
@@ -224,10 +299,12 @@ def test_mla_presets(name):
         for l in range(L):
             lat, rope = vals[f"{l}.latent"][t, 0], vals[f"{l}.rope"][t, 0]
             if name == "flashinfer-mla":  # ckv [P, page, 512] and kpe [P, page, 64]
-                assert torch.equal(got.tensors[f"{l}.latent"].reshape(NB, BS, 512)[b, n],
-                                   lat.bfloat16())
-                assert torch.equal(got.tensors[f"{l}.rope"].reshape(NB, BS, 64)[b, n],
-                                   rope.bfloat16())
+                assert torch.equal(
+                    got.tensors[f"{l}.latent"].reshape(NB, BS, 512)[b, n], lat.bfloat16()
+                )
+                assert torch.equal(
+                    got.tensors[f"{l}.rope"].reshape(NB, BS, 64)[b, n], rope.bfloat16()
+                )
                 continue
             if name == "trtllm-mla":  # {blocks, layers, 1, [1, tokens, 576]}
                 row = got.tensors["all"].reshape(NB, L, BS, 576)[b, l, n]

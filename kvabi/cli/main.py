@@ -1,0 +1,161 @@
+"""The `kvabi` command line: layouts, inspect, convert, plan, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from kvabi.abi.catalog import MODEL_NAMES, catalog_model
+from kvabi.abi.errors import KvabiError
+from kvabi.abi.plan import plan
+from kvabi.abi.presets import PRESETS, preset_descriptor
+from kvabi.abi.text_form import from_text
+from kvabi.bench.report import print_table
+
+
+def cmd_layouts(args: argparse.Namespace) -> int:
+    rows = [
+        [
+            p.name,
+            p.kind,
+            p.layout.axes + (f" / V {p.layout.v_axes}" if p.layout.v_axes else ""),
+            p.layout.block_size or "-",
+            p.layout.dtype,
+            p.layout.quant,
+            p.shape,
+        ]
+        for p in PRESETS.values()
+        if args.kind in (None, p.kind)
+    ]
+    print_table(
+        f"{len(rows)} presets (axes: L layer, K plane, B block, N slot, H head, "
+        "C content, T token)",
+        ["name", "kind", "axes", "bs", "dtype", "quant", "engine's tensor"],
+        rows,
+    )
+    if args.sources:
+        print()
+        for p in PRESETS.values():
+            print(f"{p.name}: {p.source}")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from kvabi.abi.buffers import owner_layers
+    from kvabi.wire import read_container
+
+    c = read_container(args.file)  # verifies every checksum before returning
+    desc = c.desc
+    print(f"descriptor: {desc}")
+    print(f"compat digest: {desc.model.compat_digest()}")
+    tokens = list(c.token_ids)
+    print(f"tokens: {len(tokens)}  first: {tokens[:12]}")
+    print(
+        f"block hashes: {len(c.block_hashes)}"
+        + (f"  first: {c.block_hashes[0].hex()[:32]}..." if c.block_hashes else "")
+    )
+    layers = owner_layers(desc)
+    per_layer = c.cache.num_bytes // max(len(layers), 1)
+    print(
+        f"sections: {len(layers)} layers x {per_layer} B = {c.cache.num_bytes} B payload "
+        f"({c.cache.num_bytes / max(len(tokens), 1):.0f} B/token)"
+    )
+    print("checksums: ok")
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from kvabi.abi.convert import convert
+    from kvabi.wire import read_container, write_container
+
+    c = read_container(args.input)
+    overrides = {
+        k: v for k, v in (("block_size", args.block_size), ("dtype", args.dtype)) if v is not None
+    }
+    dst_desc = preset_descriptor(args.to, c.desc.model, **overrides)
+    if dst_desc.layout.is_cross_layer:
+        raise KvabiError(
+            f"{args.to} is a cross-layer pool layout; containers hold one "
+            "section per layer, so pick a per-layer preset"
+        )
+    out = convert(c.cache, dst_desc, num_tokens=len(c.token_ids))
+    write_container(args.output, out, list(c.token_ids), list(c.block_hashes))
+    print(
+        f"{args.input} [{c.desc.layout.name or c.desc.layout.axes}] -> {args.output} "
+        f"[{args.to}]: {len(c.token_ids)} tokens, {out.num_bytes} B payload"
+    )
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    if args.descriptor:
+        desc = from_text(args.descriptor)
+    else:
+        desc = preset_descriptor(args.layout, catalog_model(args.model), dtype=args.dtype)
+    p = plan(desc, args.context, args.concurrency)
+    print(f"descriptor: {desc}")
+    print_table(
+        "KV memory plan (one TP shard)",
+        ["quantity", "bytes", "GB"],
+        [
+            ["per token", p.bytes_per_token, p.bytes_per_token / 1e9],
+            [f"per request ({p.context} tokens)", p.bytes_per_request, p.bytes_per_request / 1e9],
+            [f"{p.concurrency} concurrent requests", p.total_bytes, p.total_bytes / 1e9],
+        ],
+    )
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "convert":
+        from kvabi.bench.convert_bench import run
+
+        run(args.quick, args.json)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvabi", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("layouts", help="list the engine layout presets")
+    p.add_argument("--kind", choices=["attn", "mla"])
+    p.add_argument("--sources", action="store_true", help="print each preset's source")
+    p.set_defaults(fn=cmd_layouts)
+    p = sub.add_parser("inspect", help="show a container and verify its checksums")
+    p.add_argument("file")
+    p.set_defaults(fn=cmd_inspect)
+    p = sub.add_parser("convert", help="convert a container to another engine's layout")
+    p.add_argument("input")
+    p.add_argument("output")
+    p.add_argument("--to", required=True, choices=sorted(PRESETS), metavar="PRESET")
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--dtype")
+    p.set_defaults(fn=cmd_convert)
+    p = sub.add_parser("plan", help="KV bytes per token, request and fleet")
+    p.add_argument("--model", default="llama-3-70b", choices=MODEL_NAMES)
+    p.add_argument("--layout", default="vllm-flash-attn", choices=sorted(PRESETS), metavar="PRESET")
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--descriptor", help="a descriptor's text form instead of model + layout")
+    p.add_argument("--context", type=int, default=32768)
+    p.add_argument("--concurrency", type=int, default=1)
+    p.set_defaults(fn=cmd_plan)
+    p = sub.add_parser("bench", help="benchmarks, as ratios against a same-run baseline")
+    p.add_argument("what", choices=["convert"])
+    p.add_argument("--quick", action="store_true", help="the ~1 minute size")
+    p.add_argument("--json", help="write the figures as one JSON object to this file")
+    p.set_defaults(fn=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (KvabiError, KeyError, OSError) as exc:
+        print(f"kvabi {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
