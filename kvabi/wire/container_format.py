@@ -1,0 +1,202 @@
+"""The container's byte layout: fixed-size records, alignment, and where each buffer goes.
+
+Normative description: docs/ABI.md, section 5. Everything is little-endian; the header, meta and
+every section start at a multiple of ALIGN bytes from the start of the container.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from kvabi.abi.buffers import BufferSpec, layer_buffer_specs, owner_layers
+from kvabi.abi.descriptor import Descriptor
+from kvabi.wire.errors import BadMagicError, ChecksumError, FormatError, VersionError
+
+MAGIC = b"KVABI\x00\r\n"
+SECTION_MAGIC = b"KVSC"
+END_MAGIC = b"KVEN"
+MAJOR, MINOR = 1, 0
+KNOWN_FLAGS = 0  # no flag bits are defined in 1.0; a reader refuses any set bit
+ALIGN = 64
+HASH_BYTES = 32
+TOKEN_BYTES = 4
+CHECKSUM_BYTES = 8
+MAX_DESC_LEN = 1 << 24  # a descriptor is a few KiB; this bounds what a reader allocates for it
+
+HEADER = struct.Struct(
+    "<8sHHIIIII"
+)  # magic, major, minor, flags, desc_len, tokens, hashes, sections
+SECTION_HEADER = struct.Struct("<4sIQQQ")  # magic, layer_id, payload_len, checksum, reserved
+SECTION_HEAD_CHECKED = 16  # the section header bytes its checksum covers (magic..payload_len)
+END = struct.Struct("<4sIQ16s")  # magic, num_sections, checksum of section checksums, zeros
+U64 = struct.Struct("<Q")
+
+
+def padding(offset: int) -> int:
+    """Zero bytes that bring `offset` up to the next multiple of ALIGN."""
+    return -offset % ALIGN
+
+
+def checksum(*parts: bytes | memoryview) -> int:
+    """xxh3_64 (seed 0) over the concatenation of `parts`, without concatenating them."""
+    h = xxhash.xxh3_64()
+    for part in parts:
+        h.update(part)
+    return h.intdigest()
+
+
+@dataclass(frozen=True)
+class Header:
+    """The container's first 32 bytes."""
+
+    desc_len: int
+    num_tokens: int
+    num_hashes: int
+    num_sections: int
+    major: int = MAJOR
+    minor: int = MINOR
+    flags: int = 0
+
+    @property
+    def meta_len(self) -> int:
+        """Bytes from the container start to the meta checksum: header, descriptor, ids, hashes."""
+        return (
+            HEADER.size
+            + self.desc_len
+            + TOKEN_BYTES * self.num_tokens
+            + HASH_BYTES * self.num_hashes
+        )
+
+    def pack(self) -> bytes:
+        return HEADER.pack(
+            MAGIC,
+            self.major,
+            self.minor,
+            self.flags,
+            self.desc_len,
+            self.num_tokens,
+            self.num_hashes,
+            self.num_sections,
+        )
+
+    @classmethod
+    def parse(cls, data: bytes | memoryview) -> Header:
+        """Unpack and check magic, major version, flags and the descriptor length, in that order."""
+        magic, major, minor, flags, desc_len, tokens, hashes, sections = HEADER.unpack(data)
+        if magic != MAGIC:
+            raise BadMagicError(f"not a kvabi container: magic {magic!r}, expected {MAGIC!r}")
+        if major != MAJOR:
+            raise VersionError(
+                f"container major version {major}.{minor} is not supported "
+                f"(this reader is {MAJOR}.{MINOR})"
+            )
+        if flags & ~KNOWN_FLAGS:
+            raise VersionError(f"container flags {flags:#x} set bits this reader does not know")
+        if desc_len > MAX_DESC_LEN:
+            raise FormatError(f"descriptor length {desc_len} exceeds the limit {MAX_DESC_LEN}")
+        return cls(desc_len, tokens, hashes, sections, major, minor, flags)
+
+
+def extent_for(desc: Descriptor, num_tokens: int) -> int:
+    """Blocks (paged layout) or tokens (unpaged) a container of `num_tokens` tokens carries."""
+    if desc.layout.is_paged:
+        return -(-num_tokens // desc.layout.block_size)
+    return num_tokens
+
+
+@dataclass(frozen=True)
+class SectionLayout:
+    """One layer's payload: its buffers in spec order and each one's offset in the payload."""
+
+    layer_id: int
+    specs: tuple[BufferSpec, ...]
+    offsets: tuple[int, ...]
+    payload_len: int
+
+    def head(self) -> bytes:
+        """The first 16 bytes of the section header, which the section checksum covers."""
+        return SECTION_HEADER.pack(SECTION_MAGIC, self.layer_id, self.payload_len, 0, 0)[
+            :SECTION_HEAD_CHECKED
+        ]
+
+    def header(self, section_checksum: int) -> bytes:
+        return SECTION_HEADER.pack(
+            SECTION_MAGIC, self.layer_id, self.payload_len, section_checksum, 0
+        )
+
+
+def section_layout(desc: Descriptor, layer_id: int, extent: int) -> SectionLayout:
+    """Buffers of `layer_id` each at the next multiple of ALIGN; payload_len ends at the last."""
+    specs = tuple(layer_buffer_specs(desc, layer_id, extent))
+    offsets, end = [], 0
+    for spec in specs:
+        start = end + padding(end)
+        offsets.append(start)
+        end = start + spec.num_bytes
+    return SectionLayout(layer_id, specs, tuple(offsets), end)
+
+
+def section_layouts(desc: Descriptor, num_tokens: int) -> list[SectionLayout]:
+    """The sections of a container, in order: one per owner layer, ascending."""
+    extent = extent_for(desc, num_tokens)
+    return [section_layout(desc, i, extent) for i in owner_layers(desc)]
+
+
+def container_size(desc: Descriptor, num_tokens: int, num_hashes: int) -> int:
+    """Total bytes of a container; a writer's output is exactly this long."""
+    meta_end = HEADER.size + len(desc.to_json().encode()) + TOKEN_BYTES * num_tokens
+    meta_end += HASH_BYTES * num_hashes + CHECKSUM_BYTES
+    size = meta_end + padding(meta_end)
+    for layout in section_layouts(desc, num_tokens):
+        size += SECTION_HEADER.size + layout.payload_len
+        size += padding(size)
+    return size + END.size
+
+
+def check_section_header(data: bytes | memoryview, expected: SectionLayout, index: int) -> int:
+    """Check a section header against the descriptor's layout; return the stored checksum."""
+    magic, layer_id, payload_len, stored, reserved = SECTION_HEADER.unpack(data)
+    where = f"section {index}"
+    if magic != SECTION_MAGIC:
+        raise BadMagicError(f"{where}: marker {magic!r}, expected {SECTION_MAGIC!r}")
+    if layer_id != expected.layer_id:
+        raise FormatError(
+            f"{where} holds layer {layer_id}, expected layer {expected.layer_id} "
+            "(one section per owner layer, ascending)"
+        )
+    if payload_len != expected.payload_len:
+        raise FormatError(
+            f"{where} (layer {layer_id}): payload_len {payload_len}, the "
+            f"descriptor says {expected.payload_len}"
+        )
+    if reserved:
+        raise FormatError(f"{where} (layer {layer_id}): reserved field is {reserved:#x}, not 0")
+    return stored
+
+
+def end_record(section_checksums: list[int]) -> bytes:
+    """The 32-byte end: marker, section count, xxh3_64 over the section checksums, zeros."""
+    summary = checksum(b"".join(U64.pack(c) for c in section_checksums))
+    return END.pack(END_MAGIC, len(section_checksums), summary, bytes(16))
+
+
+def check_end(data: bytes | memoryview, section_checksums: list[int]) -> None:
+    """Refuse an end record whose marker, count, summary checksum or zero field is wrong."""
+    magic, num_sections, summary, zeros = END.unpack(data)
+    expected = END.unpack(end_record(section_checksums))
+    if magic != END_MAGIC:
+        raise BadMagicError(f"end marker {magic!r}, expected {END_MAGIC!r}")
+    if num_sections != expected[1]:
+        raise FormatError(
+            f"end record counts {num_sections} sections, the container has {expected[1]}"
+        )
+    if summary != expected[2]:
+        raise ChecksumError(
+            f"end record: checksum of section checksums {summary:#018x}, "
+            f"computed {expected[2]:#018x}"
+        )
+    if any(zeros):
+        raise FormatError("end record: the last 16 bytes must be zero")

@@ -1,0 +1,174 @@
+"""Writing containers, one layer at a time, to any binary sink (file, socket, buffer)."""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Sequence
+from typing import BinaryIO
+
+import torch
+
+from kvabi.abi.block_hash import token_array
+from kvabi.abi.buffers import CacheBuffers, layer_buffer_specs, owner_layers
+from kvabi.abi.descriptor import Descriptor
+from kvabi.abi.errors import ShapeError
+from kvabi.wire.container_format import (
+    HASH_BYTES,
+    TOKEN_BYTES,
+    U64,
+    Header,
+    SectionLayout,
+    checksum,
+    end_record,
+    extent_for,
+    padding,
+    section_layouts,
+)
+from kvabi.wire.errors import ContainerError
+
+
+class ContainerWriter:
+    """Streams a container: the meta on construction, then `write_layer` per owner layer in
+    ascending order, then `close()` for the end record. Nothing is buffered beyond one layer's
+    checksum pass; the sink is not closed."""
+
+    def __init__(
+        self,
+        sink: BinaryIO,
+        desc: Descriptor,
+        token_ids: Sequence[int],
+        block_hashes: Sequence[bytes] = (),
+    ) -> None:
+        if desc.layout.is_cross_layer:
+            raise ContainerError(
+                f"layout axes {desc.layout.axes!r} put several layers in one "
+                "buffer; convert to a per-layer layout before writing"
+            )
+        tokens = token_array(token_ids)  # [num_tokens] u32 LE
+        hashes = _checked_hashes(block_hashes)
+        self.desc, self.num_bytes = desc, 0
+        self.extent = extent_for(desc, len(tokens))
+        self._sink = sink
+        self._layouts = section_layouts(desc, len(tokens))
+        self._checksums: list[int] = []
+        self._is_closed = False
+        self._write_meta(tokens.tobytes(), hashes)
+
+    def write_layer(self, layer_id: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Write one owner layer's section; `tensors` are its buffers, keyed as the specs are."""
+        layout = self._next_layout(layer_id)
+        parts = _payload_parts(layout, tensors)
+        section_sum = checksum(layout.head(), *parts)
+        self._write(layout.header(section_sum), *parts)
+        self._checksums.append(section_sum)
+
+    def close(self) -> None:
+        """Write the end record; every owner layer must have been written."""
+        if self._is_closed:
+            raise ContainerError("the container is already closed")
+        if len(self._checksums) != len(self._layouts):
+            missing = [x.layer_id for x in self._layouts[len(self._checksums) :]]
+            raise ContainerError(f"close() before layers {missing} were written")
+        record = end_record(self._checksums)
+        self._sink.write(record)
+        self.num_bytes += len(record)
+        self._is_closed = True
+
+    def _write_meta(self, tokens: bytes, hashes: bytes) -> None:
+        desc_json = self.desc.to_json().encode()
+        num_tokens, num_hashes = len(tokens) // TOKEN_BYTES, len(hashes) // HASH_BYTES
+        header = Header(len(desc_json), num_tokens, num_hashes, len(self._layouts))
+        parts = (header.pack(), desc_json, tokens, hashes)
+        self._write(*parts, U64.pack(checksum(*parts)))
+
+    def _write(self, *parts: bytes | memoryview) -> None:
+        for part in parts:
+            self._sink.write(part)
+            self.num_bytes += len(part)
+        pad = padding(self.num_bytes)
+        self._sink.write(bytes(pad))
+        self.num_bytes += pad
+
+    def _next_layout(self, layer_id: int) -> SectionLayout:
+        done = len(self._checksums)
+        if self._is_closed or done == len(self._layouts):
+            raise ContainerError(f"write_layer({layer_id}): all {done} layers are written")
+        expected = self._layouts[done].layer_id
+        if layer_id != expected:
+            raise ContainerError(
+                f"write_layer({layer_id}): layer {expected} comes next (owner "
+                f"layers, ascending: {[x.layer_id for x in self._layouts]})"
+            )
+        return self._layouts[done]
+
+
+def write_container(
+    dest: str | os.PathLike[str] | BinaryIO,
+    cache: CacheBuffers,
+    token_ids: Sequence[int],
+    block_hashes: Sequence[bytes] = (),
+) -> int:
+    """Write `cache` holding `token_ids` as one container; return the number of bytes written.
+
+    The cache may hold more blocks (or token slots) than the tokens need: only the first
+    ceil(num_tokens / block_size) blocks (num_tokens token slots) are written.
+    """
+    if isinstance(dest, str | os.PathLike):
+        with open(dest, "wb") as f:
+            return write_container(f, cache, token_ids, block_hashes)
+    writer = ContainerWriter(dest, cache.desc, token_ids, block_hashes)
+    if cache.extent < writer.extent:
+        raise ShapeError(
+            f"{len(token_ids)} tokens need {writer.extent} blocks/slots, the cache "
+            f"holds {cache.extent}"
+        )
+    for layer_id in owner_layers(cache.desc):
+        writer.write_layer(layer_id, _layer_tensors(cache, layer_id, writer.extent))
+    writer.close()
+    return writer.num_bytes
+
+
+def container_bytes(
+    cache: CacheBuffers, token_ids: Sequence[int], block_hashes: Sequence[bytes] = ()
+) -> bytes:
+    """The container of `cache` as bytes (see `write_container`)."""
+    sink = io.BytesIO()
+    write_container(sink, cache, token_ids, block_hashes)
+    return sink.getvalue()
+
+
+def _checked_hashes(block_hashes: Sequence[bytes]) -> bytes:
+    for i, h in enumerate(block_hashes):
+        if not isinstance(h, bytes | bytearray) or len(h) != HASH_BYTES:
+            raise ValueError(f"block_hashes: entry {i} is not a {HASH_BYTES}-byte hash: {h!r:.80}")
+    return b"".join(block_hashes)
+
+
+def _layer_tensors(cache: CacheBuffers, layer_id: int, extent: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for spec in layer_buffer_specs(cache.desc, layer_id, extent):
+        axis = spec.axes.index("B" if cache.desc.layout.is_paged else "T")
+        out[spec.key] = cache.tensors[spec.key].narrow(axis, 0, extent)
+    return out
+
+
+def _payload_parts(layout: SectionLayout, tensors: dict[str, torch.Tensor]) -> list[memoryview]:
+    """The payload as pieces: each buffer's bytes, preceded by the zeros that align it."""
+    keys = [s.key for s in layout.specs]
+    if sorted(tensors) != sorted(keys):
+        raise ShapeError(
+            f"layer {layout.layer_id}: got buffers {sorted(tensors)}, the descriptor names {keys}"
+        )
+    parts, end = [], 0
+    for spec, offset in zip(layout.specs, layout.offsets, strict=True):
+        t = tensors[spec.key]
+        if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+            raise ShapeError(
+                f"layer {layout.layer_id} buffer {spec.key!r}: descriptor says "
+                f"{list(spec.shape)} {spec.dtype}, tensor is {list(t.shape)} {t.dtype}"
+            )
+        flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        parts += [memoryview(bytes(offset - end)), memoryview(flat.numpy())]
+        end = offset + spec.num_bytes
+    return parts
