@@ -1,0 +1,57 @@
+"""`KVStorage`: the engine's KV tensors, in the layout its descriptor names.
+
+The layout is data: any attention preset works (e.g. `vllm-flash-attn` = NHD blocks,
+`vllm-flash-attn-hnd` = HND). Readers and writers go through canonical per-layer views
+`[block, slot, head, dim]`, so nothing here knows the physical axis order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvabi.abi.buffers import CacheBuffers, group_views
+from kvabi.abi.descriptor import ATTN, Descriptor
+
+
+class KVStorage:
+    def __init__(self, desc: Descriptor, num_blocks: int) -> None:
+        if desc.layout.quant != "none" or not desc.layout.is_paged:
+            raise ValueError(f"kv layout: the engine needs a paged, unquantised layout, got {desc}")
+        if any(x.kind != ATTN for x in desc.model.layers):
+            raise ValueError("kv layout: the engine caches attention (K/V) layers only")
+        self.desc = desc
+        self.block_size = desc.layout.block_size
+        self.buffers = CacheBuffers.empty(desc, num_blocks, "zeros")
+        self.k: list[torch.Tensor] = []  # per layer [num_blocks, block_size, num_kv_heads, dim]
+        self.v: list[torch.Tensor] = []
+        for layer_id in range(desc.model.num_layers):
+            views = {
+                planes[0].name: view
+                for planes, view in group_views(desc, self.buffers.tensors, layer_id)
+            }
+            self.k.append(views["k"])
+            self.v.append(views["v"])
+
+    @property
+    def num_blocks(self) -> int:
+        return self.buffers.extent
+
+    def write(
+        self,
+        layer_id: int,
+        block_ids: torch.Tensor,
+        slots: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
+        """Store new tokens' K/V [T, heads, dim] at (block_ids[t], slots[t])."""
+        self.k[layer_id][block_ids, slots] = k.to(self.k[layer_id].dtype)
+        self.v[layer_id][block_ids, slots] = v.to(self.v[layer_id].dtype)
+
+    def gather(
+        self, layer_id: int, block_table: torch.Tensor, num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sequence's first `num_tokens` K and V, each [num_tokens, heads, dim]."""
+        k = self.k[layer_id][block_table].flatten(0, 1)[:num_tokens]
+        v = self.v[layer_id][block_table].flatten(0, 1)[:num_tokens]
+        return k, v

@@ -1,0 +1,1 @@
+"""The serving engine: scheduler, paged attention, runner, sampler and the `LLM` API."""

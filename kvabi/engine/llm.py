@@ -1,0 +1,110 @@
+"""`LLM`: the vLLM-shaped front of the engine: generate, stream and chat."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from kvabi.engine.engine import EngineConfig, LLMEngine
+from kvabi.engine.outputs import RequestOutput
+from kvabi.engine.sampling_params import SamplingParams
+from kvabi.interop.model_spec import gguf_fingerprint, state_dict_fingerprint
+from kvabi.models.registry import load_model, resolve_model
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """A piece of streamed output: new text of one of a request's n completions."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+
+
+class LLM:
+    """`LLM(model=None).generate(prompts, SamplingParams(...))`; model None = the bundled one."""
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        dtype: str = "bf16",
+        progress: bool = True,
+        **engine_config: object,
+    ) -> None:
+        source = resolve_model(model)
+        loaded = load_model(model, dtype, progress)
+        fingerprint = (
+            gguf_fingerprint(source.path)
+            if source.format == "gguf"
+            else state_dict_fingerprint(loaded.model.state_dict())
+        )
+        self.engine = LLMEngine(loaded, EngineConfig(**engine_config), fingerprint)
+        self.tokenizer = loaded.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, batched; outputs in prompt order."""
+        params = params or SamplingParams()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = [self.engine.add_request(p, params) for p in self._validated(prompts)]
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), disable=not use_tqdm, desc="generate")
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update()
+        bar.close()
+        return [done[i] for i in ids]
+
+    def _validated(self, prompts: Sequence) -> list:
+        """Check every prompt before queueing any, so bad input starts no work."""
+        for p in prompts:
+            ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            self.engine._check_prompt(ids)
+        return list(prompts)
+
+    def stream(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None
+    ) -> Iterator[TextDelta]:
+        """Yield text as it is produced (one completion per delta; all n interleaved)."""
+        request_id = self.engine.add_request(prompt, params or SamplingParams())
+        sent: dict[int, tuple[int, int]] = {}  # index -> (chars, tokens) already yielded
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id != request_id:
+                        continue
+                    for c in out.outputs:
+                        chars, toks = sent.get(c.index, (0, 0))
+                        text = c.text[chars:] if c.finish_reason else _stable(c.text[chars:])
+                        if text or c.finish_reason or len(c.token_ids) > toks:
+                            sent[c.index] = (chars + len(text), len(c.token_ids))
+                            yield TextDelta(c.index, text, c.token_ids[toks:], c.finish_reason)
+                    if out.finished:
+                        return
+                if not self.engine.has_unfinished():
+                    return
+        finally:
+            if request_id in self.engine.requests:
+                self.engine.abort(request_id)
+
+    def chat(
+        self, messages: list[dict[str, str]], params: SamplingParams | None = None
+    ) -> RequestOutput:
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.generate([prompt], params)[0]
+
+
+def _stable(text: str) -> str:
+    """Hold back a trailing replacement char: a multi-byte character may be half decoded."""
+    return text[:-1] if text.endswith("\ufffd") else text

@@ -1,0 +1,105 @@
+"""Attention over block tables: the `AttentionFn` the model calls, per layer, inside a step.
+
+The step's metadata (`StepContext`) is the only ambient state: `with attention.step(ctx):` around
+the forward. Each call first writes the new tokens' K/V into their slots, then attends.
+Two backends compute the same thing: `reference` (one sequence at a time, plain gather + SDPA:
+easy to read) and `batched` (all single-token decodes of the step in one padded SDPA call;
+chunks of prefill per sequence). Tests compare them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvabi.cache.kv_storage import KVStorage
+
+
+@dataclass(frozen=True)
+class SeqSlice:
+    query_start: int  # rows of this sequence in the step's flat tokens
+    num_queries: int
+    context_len: int  # tokens of K/V after this step (positions 0 .. context_len-1)
+    block_table: torch.Tensor  # [num_blocks] int64
+
+
+@dataclass(frozen=True)
+class StepContext:
+    slot_blocks: torch.Tensor  # [num_tokens] int64: block of each new token
+    slot_offsets: torch.Tensor  # [num_tokens] int64: slot in that block
+    seqs: tuple[SeqSlice, ...]
+    decode_rows: torch.Tensor  # indices into `seqs` of single-query sequences
+    decode_tables: torch.Tensor  # [num_decodes, max_blocks] padded block tables
+    decode_lens: torch.Tensor  # [num_decodes] context lengths
+
+
+class PagedAttention:
+    def __init__(self, storage: KVStorage, backend: str = "batched") -> None:
+        if backend not in ("batched", "reference"):
+            raise ValueError(f"attention backend: 'batched' or 'reference', got {backend!r}")
+        self.storage = storage
+        self.backend = backend
+        self._ctx: StepContext | None = None
+
+    @contextmanager
+    def step(self, ctx: StepContext) -> Iterator[None]:
+        self._ctx = ctx
+        try:
+            yield
+        finally:
+            self._ctx = None
+
+    def __call__(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        ctx = self._ctx
+        assert ctx is not None, "attention called outside `with attention.step(ctx)`"
+        self.storage.write(layer_id, ctx.slot_blocks, ctx.slot_offsets, k, v)
+        out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
+        if self.backend == "reference":
+            for s in ctx.seqs:
+                self._attend_one(layer_id, q, out, s)
+            return out
+        decode = set(ctx.decode_rows.tolist())
+        for i, s in enumerate(ctx.seqs):
+            if i not in decode:
+                self._attend_one(layer_id, q, out, s)
+        if decode:
+            rows = torch.tensor([ctx.seqs[i].query_start for i in ctx.decode_rows.tolist()])
+            out[rows] = self._attend_decodes(layer_id, q[rows], ctx)
+        return out
+
+    def _attend_one(self, layer_id: int, q: torch.Tensor, out: torch.Tensor, s: SeqSlice) -> None:
+        k, v = self.storage.gather(layer_id, s.block_table, s.context_len)  # [ctx, H_kv, D]
+        rows = slice(s.query_start, s.query_start + s.num_queries)
+        qs = q[rows].transpose(0, 1)  # [H, Tq, D]
+        mask = None
+        if s.num_queries > 1:  # causal, offset by the tokens cached before this chunk
+            q_pos = torch.arange(s.context_len - s.num_queries, s.context_len)[:, None]
+            mask = torch.arange(s.context_len)[None, :] <= q_pos  # [Tq, ctx]
+        o = F.scaled_dot_product_attention(
+            qs,
+            k.transpose(0, 1).to(q.dtype),
+            v.transpose(0, 1).to(q.dtype),
+            attn_mask=mask,
+            enable_gqa=True,
+        )
+        out[rows] = o.transpose(0, 1)
+
+    def _attend_decodes(self, layer_id: int, q: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """q [S, H, D] (one query per sequence) -> [S, H, D], with padded K/V gathers."""
+        k = self.storage.k[layer_id][ctx.decode_tables].flatten(1, 2)  # [S, L, H_kv, D]
+        v = self.storage.v[layer_id][ctx.decode_tables].flatten(1, 2)
+        valid = torch.arange(k.shape[1])[None, :] < ctx.decode_lens[:, None]  # [S, L]
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2),
+            k.transpose(1, 2).to(q.dtype),
+            v.transpose(1, 2).to(q.dtype),
+            attn_mask=valid[:, None, None, :],
+            enable_gqa=True,
+        )  # [S, H, 1, D]
+        return o.squeeze(2)

@@ -1,0 +1,71 @@
+"""`ModelRunner`: turns a `ScheduledBatch` into one forward pass over the paged cache."""
+
+from __future__ import annotations
+
+import torch
+
+from kvabi.engine.paged_attention import PagedAttention, SeqSlice, StepContext
+from kvabi.engine.scheduler import ScheduledBatch
+from kvabi.models.llama import LlamaModel
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, attention: PagedAttention) -> None:
+        self.model = model
+        self.attention = attention
+        self.block_size = attention.storage.block_size
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Compute the batch's tokens; return float32 logits [num sampling seqs, vocab], in the
+        order of the batch's sequences that sample this step."""
+        ids, positions, ctx, sample_rows = self._prepare(batch)
+        with self.attention.step(ctx):
+            hidden = self.model.hidden_states(ids, positions, self.attention)
+        return self.model.compute_logits(hidden[sample_rows]).float()
+
+    def _prepare(
+        self, batch: ScheduledBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, StepContext, torch.Tensor]:
+        ids, positions, slices, sample_rows = [], [], [], []
+        start = 0
+        for s in batch.seqs:
+            tokens = s.seq.token_ids()[s.start : s.start + s.num_tokens]
+            ids += tokens
+            positions += range(s.start, s.start + s.num_tokens)
+            table = torch.tensor(s.seq.block_ids, dtype=torch.long)
+            slices.append(SeqSlice(start, s.num_tokens, s.start + s.num_tokens, table))
+            start += s.num_tokens
+            if s.samples:
+                sample_rows.append(start - 1)
+        pos = torch.tensor(positions, dtype=torch.long)
+        tables = [torch.tensor(s.seq.block_ids, dtype=torch.long) for s in batch.seqs]
+        slot_blocks = torch.cat(
+            [
+                t[p // self.block_size]
+                for t, p in zip(
+                    tables, _split(pos, [s.num_tokens for s in batch.seqs]), strict=True
+                )
+            ]
+        )
+        ctx = StepContext(
+            slot_blocks, pos % self.block_size, tuple(slices), *_decode_tables(slices)
+        )
+        return torch.tensor(ids, dtype=torch.long), pos, ctx, torch.tensor(sample_rows)
+
+
+def _split(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    return list(torch.split(t, sizes))
+
+
+def _decode_tables(slices: list[SeqSlice]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows = [i for i, s in enumerate(slices) if s.num_queries == 1]
+    if not rows:
+        empty = torch.zeros(0, dtype=torch.long)
+        return empty, empty.view(0, 0), empty
+    width = max(len(slices[i].block_table) for i in rows)
+    tables = torch.zeros(len(rows), width, dtype=torch.long)  # padding reads block 0, masked
+    for r, i in enumerate(rows):
+        tables[r, : len(slices[i].block_table)] = slices[i].block_table
+    lens = torch.tensor([slices[i].context_len for i in rows])
+    return torch.tensor(rows), tables, lens

@@ -1,0 +1,49 @@
+"""`SamplingParams`: how one request's tokens are chosen, checked before any work starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """vLLM-shaped sampling parameters. temperature 0 is greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top alternatives to return per token (0: the sampled one only)
+    extra: dict = field(default_factory=dict, compare=False)  # tags for later layers
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        )
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        checks = [
+            (self.max_tokens >= 1, "max_tokens", "must be >= 1", self.max_tokens),
+            (self.temperature >= 0, "temperature", "must be >= 0", self.temperature),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p),
+            (self.top_k >= 0, "top_k", "must be >= 0 (0 disables it)", self.top_k),
+            (1 <= self.n <= 64, "n", "must be in [1, 64]", self.n),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= 20,
+                "logprobs",
+                "must be in [0, 20]",
+                self.logprobs,
+            ),
+            (all(s for s in self.stop), "stop", "stop strings must be non-empty", self.stop),
+        ]
+        for ok, name, rule, value in checks:
+            if not ok:
+                raise ValueError(f"{name}: {rule}, got {value!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,53 @@
+"""`Sequence`: one generated continuation's state, as the scheduler and engine see it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from kvabi.engine.sampling_params import SamplingParams
+
+
+class SeqStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: dict[int, float]  # the top alternatives, token id -> logprob
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n outputs
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: int  # admission order: lower is older
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    text: str = ""
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED

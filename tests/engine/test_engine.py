@@ -1,0 +1,173 @@
+import pytest
+import torch
+
+from kvabi.engine.sampling_params import SamplingParams
+from kvabi.models.attention import ContiguousAttention
+from tests.engine.tiny import EOS, run_all, tiny_engine, tiny_loaded
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+PROMPTS = [[5, 6, 7], list(range(10, 31)), [200] * 9, list(range(40, 47)), [3]]
+
+
+@torch.no_grad()
+def reference_greedy(prompt, max_tokens, seed=0):
+    """Independent of paging: one sequence, contiguous K/V, one token per forward."""
+    model = tiny_loaded(seed).model
+    attn = ContiguousAttention(model.config.num_layers)
+    ids = list(prompt)
+    logits = model(torch.tensor(ids), torch.arange(len(ids)), attn)[-1]
+    out = []
+    for _ in range(max_tokens):
+        out.append(int(logits.argmax()))
+        pos = len(ids) + len(out) - 1
+        logits = model(torch.tensor(out[-1:]), torch.tensor([pos]), attn)[-1]
+    return tuple(out)
+
+
+REFERENCE = [reference_greedy(p, 12) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("layout", ["nhd", "hnd"])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("backend", ["batched", "reference"])
+def test_paged_batched_greedy_equals_contiguous_reference(layout, block_size, backend):
+    engine = tiny_engine(kv_layout=layout, block_size=block_size, attention_backend=backend)
+    outs = run_all(engine, PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == REFERENCE
+
+
+def test_chunked_prefill_and_continuous_batching_give_each_sequence_its_own_tokens():
+    engine = tiny_engine(block_size=4, max_num_batched_tokens=5, max_num_seqs=3)
+    outs = run_all(engine, PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == REFERENCE
+
+
+def test_preemption_under_a_tiny_block_budget_completes_everything_identically():
+    engine = tiny_engine(block_size=4, num_blocks=12)  # 48 slots for ~110 tokens of work
+    outs = run_all(engine, PROMPTS, GREEDY)
+    assert engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == REFERENCE
+    assert engine.pool.num_free == 12
+
+
+def test_late_arrivals_join_running_batches():
+    engine = tiny_engine(block_size=4)
+    first = engine.add_request(PROMPTS[1], GREEDY)
+    for _ in range(3):
+        engine.step()
+    second = engine.add_request(PROMPTS[0], GREEDY)
+    done = {}
+    while engine.has_unfinished():
+        done |= {o.request_id: o for o in engine.step() if o.finished}
+    assert done[first].outputs[0].token_ids == REFERENCE[1]
+    assert done[second].outputs[0].token_ids == REFERENCE[0]
+
+
+def test_n_shares_the_prompt_blocks_and_seeds_reproduce():
+    engine = tiny_engine(block_size=4)
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=7, n=3, ignore_eos=True)
+    rid = engine.add_request(PROMPTS[1], params)  # 21 tokens: 5 full blocks
+    while not engine.requests[rid][0].output_ids:
+        engine.step()
+    seqs = engine.requests[rid]
+    assert len(seqs) == 3
+    shared = seqs[0].block_ids[:5]
+    assert all(s.block_ids[:5] == shared for s in seqs[1:])
+    assert [engine.pool.ref_counts[b] for b in shared] == [3] * 5
+    while engine.has_unfinished():
+        out = engine.step()
+    texts = [c.token_ids for c in out[0].outputs]
+    assert len(set(texts)) > 1  # three different samples
+    again = run_all(tiny_engine(block_size=16), [PROMPTS[1]], params)[0]
+    assert [c.token_ids for c in again.outputs] == texts  # same seeds, other block size
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_greedy_n_gives_identical_copies():
+    out = run_all(
+        tiny_engine(block_size=4),
+        [PROMPTS[3]],
+        SamplingParams(max_tokens=12, temperature=0, n=3, ignore_eos=True),
+    )[0]
+    assert [c.token_ids for c in out.outputs] == [REFERENCE[3]] * 3
+
+
+def test_stop_rules_and_logprobs():
+    engine = tiny_engine()
+    want = REFERENCE[1]
+    stop_at = want[4]
+    out = run_all(
+        engine,
+        [PROMPTS[1]],
+        SamplingParams(
+            max_tokens=12, temperature=0, stop_token_ids=(stop_at,), logprobs=3, ignore_eos=True
+        ),
+    )[0]
+    c = out.outputs[0]
+    first = want.index(stop_at)
+    assert c.token_ids == want[: first + 1] and c.finish_reason == "stop"
+    assert len(c.logprobs) == len(c.token_ids)
+    for lp in c.logprobs:
+        assert max(lp.top.values()) == lp.logprob and lp.token_id in lp.top
+    text = engine.tokenizer.decode(list(want))
+    stop = text[3:5]
+    out = run_all(
+        engine,
+        [PROMPTS[1]],
+        SamplingParams(max_tokens=12, temperature=0, stop=stop, ignore_eos=True),
+    )[0]
+    assert out.outputs[0].text == text[: text.find(stop)]
+    assert out.outputs[0].finish_reason == "stop"
+
+
+def test_eos_stops_unless_ignored():
+    engine = tiny_engine()
+    engine.info = engine.info.__class__(
+        engine.info.descriptor,
+        engine.info.num_blocks,
+        engine.info.max_model_len,
+        (REFERENCE[0][2],),
+    )
+    out = run_all(engine, [PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0))[0]
+    assert out.outputs[0].token_ids == REFERENCE[0][:3] and out.outputs[0].finish_reason == "stop"
+    assert EOS == 256
+
+
+@pytest.mark.parametrize(
+    "prompt, params, field",
+    [
+        ([], GREEDY, "prompt"),
+        (list(range(1, 200)) * 3, GREEDY, "prompt"),
+        ([999], GREEDY, "prompt"),
+    ],
+)
+def test_bad_input_is_refused_before_any_work(prompt, params, field):
+    engine = tiny_engine()
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        engine.add_request(prompt, params)
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_k": -1}, "top_k"),
+        ({"n": 0}, "n"),
+    ],
+)
+def test_invalid_sampling_values_name_the_parameter(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}: .*got"):
+        SamplingParams(**kwargs)
+
+
+def test_abort_frees_blocks():
+    engine = tiny_engine(block_size=4)
+    rid = engine.add_request(PROMPTS[1], GREEDY)
+    engine.step()
+    assert engine.pool.num_free < engine.pool.num_blocks
+    engine.abort(rid)
+    assert engine.pool.num_free == engine.pool.num_blocks and not engine.has_unfinished()
