@@ -1,0 +1,37 @@
+"""Llama-family models (Llama 2/3, SmolLM2, Mistral, Qwen2): config, weights, tokenizer.
+
+`load_model(name_or_path)` gives a `LoadedModel(config, model, tokenizer)`; the model's forward
+takes flat token ids and positions and delegates attention per layer to an `AttentionFn`.
+"""
+
+from kvabi.models.attention import AttentionFn, ContiguousAttention
+from kvabi.models.checkpoint import Checkpoint
+from kvabi.models.config import ModelConfig, RopeScaling
+from kvabi.models.gguf_loader import load_gguf
+from kvabi.models.hf_loader import load_hf
+from kvabi.models.llama import LlamaModel
+from kvabi.models.registry import (
+    DEFAULT_MODEL,
+    LoadedModel,
+    ModelSource,
+    load_model,
+    resolve_model,
+)
+from kvabi.models.tokenizer import Tokenizer
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "AttentionFn",
+    "Checkpoint",
+    "ContiguousAttention",
+    "LlamaModel",
+    "LoadedModel",
+    "ModelConfig",
+    "ModelSource",
+    "RopeScaling",
+    "Tokenizer",
+    "load_gguf",
+    "load_hf",
+    "load_model",
+    "resolve_model",
+]

@@ -1,0 +1,38 @@
+"""What a loader returns: a `ModelConfig` and HF-equivalent weights in the chosen dtype."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvabi.models.config import ModelConfig
+from kvabi.models.llama import LlamaModel
+
+WEIGHT_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "f32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """fp32 or bf16, by name or as a torch dtype; anything else is a ValueError."""
+    if isinstance(dtype, torch.dtype) and dtype in WEIGHT_DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in WEIGHT_DTYPES:
+        return WEIGHT_DTYPES[dtype.lower()]
+    raise ValueError(f"dtype: {dtype!r} not supported; use one of {sorted(WEIGHT_DTYPES)}")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Weights keyed by `LlamaModel` parameter names (HF names without `model.`)."""
+
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]
+
+    def build(self) -> LlamaModel:
+        return LlamaModel.from_state_dict(self.config, self.state_dict)

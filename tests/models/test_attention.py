@@ -1,0 +1,79 @@
+"""ContiguousAttention against a plain softmax(QK^T)V reference; the model with it, step by step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvabi.models import ContiguousAttention, LlamaModel, ModelConfig
+from tests.models.tiny import our_logits, our_logits_incremental, random_ids
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 16
+
+
+def reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
+) -> torch.Tensor:
+    """All of one sequence at once; query t is at position L - T + t."""
+    k = k.repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1)
+    v = v.repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1)
+    scores = torch.einsum("thd,lhd->htl", q, k) / HEAD_DIM**0.5
+    t_pos = torch.arange(k.shape[0] - q.shape[0], k.shape[0])[:, None]
+    l_pos = torch.arange(k.shape[0])[None, :]
+    allowed = (l_pos <= t_pos) & (l_pos > t_pos - (window or 10**9))
+    weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("htl,lhd->thd", weights, v)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("chunks", [(9,), (1, 1, 1, 1, 1, 1, 1, 1, 1), (4, 1, 3, 1)])
+def test_chunked_calls_match_reference(window: int | None, chunks: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    total = sum(chunks)
+    q = torch.randn(total, NUM_HEADS, HEAD_DIM)
+    k, v = torch.randn(2, total, NUM_KV_HEADS, HEAD_DIM)
+    attn = ContiguousAttention(num_layers=2, sliding_window=window)
+    start = 0
+    for size in chunks:
+        end = start + size
+        out = attn(1, q[start:end], k[start:end], v[start:end])
+        expected = reference(q[start:end], k[:end], v[:end], window)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        start = end
+    assert attn.num_tokens == total
+    attn.reset()
+    assert attn.num_tokens == 0
+
+
+def test_incremental_decode_equals_one_prefill() -> None:
+    torch.manual_seed(0)
+    config = ModelConfig(96, 64, 128, 2, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)
+    model = LlamaModel(config).eval()
+    ids = random_ids(12)
+    torch.testing.assert_close(
+        our_logits_incremental(model, ids, prefill=5), our_logits(model, ids), atol=1e-5, rtol=0
+    )
+
+
+def test_the_model_hands_post_rope_k_to_the_attention() -> None:
+    config = ModelConfig(96, 64, 128, 1, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)
+    model = LlamaModel(config).eval()
+    seen: list[tuple[int, torch.Size, torch.Size]] = []
+    keys: list[torch.Tensor] = []
+
+    def spy(layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        seen.append((layer_id, q.shape, k.shape))
+        keys.append(k)
+        return torch.zeros_like(q)
+
+    ids = torch.tensor([5, 5])  # same token: K differs only through RoPE
+    model(ids, torch.tensor([0, 3]), spy)
+    assert seen == [(0, torch.Size([2, 4, 16]), torch.Size([2, 2, 16]))]
+    assert not torch.allclose(keys[0][0], keys[0][1])
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="num_layers"):
+        ContiguousAttention(0)
+    with pytest.raises(ValueError, match="sliding_window"):
+        ContiguousAttention(2, sliding_window=0)

@@ -1,0 +1,121 @@
+"""The bundled SmolLM2-135M GGUF: our model against transformers' own GGUF loading (fp32).
+
+Both sides dequantise the same file; the weights come out bit-identical (checked below), so any
+logit difference is float32 rounding from different kernels and summation orders. Measured:
+max |ours - HF| = 7.8e-5 .. 9.4e-5 on logits whose largest magnitude is ~38-39 (2.4e-6
+relative). The bound, 1e-3, leaves 10x headroom for other CPUs/BLAS builds while staying four
+orders below what a real defect produces (a wrong RoPE pairing or un-permute moves logits by O(1)).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvabi.models import ContiguousAttention, LoadedModel, load_model
+from kvabi.models.registry import bundled_model_path
+
+pytestmark = pytest.mark.slow
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+LOGIT_TOLERANCE = 1e-3
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that checks whether a number is prime.",
+    "Explain in two sentences why the sky is blue.",
+    "List three uses of copper.",
+]
+NUM_NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def ours() -> LoadedModel:
+    return load_model(progress=False)
+
+
+@pytest.fixture(scope="module")
+def hf() -> torch.nn.Module:
+    path = bundled_model_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+def _chat_ids(ours: LoadedModel, prompt: str) -> list[int]:
+    message = [{"role": "user", "content": prompt}]
+    ids = ours.tokenizer.apply_chat_template(message, add_generation_prompt=True)
+    assert isinstance(ids, list)
+    return ids
+
+
+def test_config_matches_the_machine_facts(ours: LoadedModel) -> None:
+    c = ours.config
+    assert (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (30, 9, 3, 64)
+    assert (c.hidden_size, c.intermediate_size, c.vocab_size) == (576, 1536, 49152)
+    assert (c.rope_theta, c.tie_word_embeddings, c.rope_scaling) == (100000.0, True, None)
+    assert sum(p.numel() for p in ours.model.parameters()) == 134_515_008
+
+
+def test_weights_are_bit_identical_to_transformers(ours: LoadedModel, hf: torch.nn.Module) -> None:
+    theirs = {k.removeprefix("model."): v for k, v in hf.state_dict().items()}
+    for name, weight in ours.model.state_dict().items():
+        assert torch.equal(weight, theirs[name]), name
+    assert torch.equal(theirs["lm_head.weight"], theirs["embed_tokens.weight"])  # tied
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@torch.inference_mode()
+def test_logits_match_transformers(ours: LoadedModel, hf: torch.nn.Module, prompt: str) -> None:
+    ids = torch.tensor(_chat_ids(ours, prompt))
+    attn = ContiguousAttention(ours.config.num_layers)
+    logits = ours.model(ids, torch.arange(ids.shape[0]), attn)
+    expected = hf(ids[None]).logits[0]
+    assert (logits - expected).abs().max() < LOGIT_TOLERANCE
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+
+
+@torch.inference_mode()
+def _greedy(ours: LoadedModel, ids: list[int]) -> list[int]:
+    attn = ContiguousAttention(ours.config.num_layers)
+    tokens, positions, out = torch.tensor(ids), torch.arange(len(ids)), []
+    for _ in range(NUM_NEW_TOKENS):
+        next_id = int(ours.model(tokens, positions, attn)[-1].argmax())
+        out.append(next_id)
+        if next_id in ours.stop_token_ids:
+            break
+        tokens, positions = torch.tensor([next_id]), torch.tensor([attn.num_tokens])
+    return out
+
+
+@torch.inference_mode()
+def _hf_greedy(hf: torch.nn.Module, ids: list[int], eos: tuple[int, ...]) -> list[int]:
+    prompt = torch.tensor([ids])
+    out = hf.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        do_sample=False,
+        max_new_tokens=NUM_NEW_TOKENS,
+        eos_token_id=list(eos),
+        pad_token_id=eos[0],
+    )
+    return out[0, len(ids) :].tolist()
+
+
+@pytest.mark.parametrize("prompt", PROMPTS[1:])  # PROMPTS[0] ends after 9 tokens, see below
+def test_greedy_16_tokens_match_transformers(
+    ours: LoadedModel, hf: torch.nn.Module, prompt: str
+) -> None:
+    ids = _chat_ids(ours, prompt)
+    generated = _greedy(ours, ids)
+    assert len(generated) == NUM_NEW_TOKENS
+    assert generated == _hf_greedy(hf, ids, ours.stop_token_ids)
+
+
+def test_answers_the_capital_question_and_stops(ours: LoadedModel, hf: torch.nn.Module) -> None:
+    ids = _chat_ids(ours, PROMPTS[0])
+    generated = _greedy(ours, ids)
+    assert generated == _hf_greedy(hf, ids, ours.stop_token_ids)
+    assert generated[-1] == ours.tokenizer.token_id("<|im_end|>")
+    assert ours.tokenizer.decode(generated[:-1]) == "The capital of France is Paris."

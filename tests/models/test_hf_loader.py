@@ -1,0 +1,127 @@
+"""HF folder (config.json + safetensors) -> our model: logits equal transformers' in fp32."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvabi.models import RopeScaling, load_hf
+from kvabi.models.hf_loader import read_hf_config
+from tests.models.tiny import LLAMA3_ROPE, TINY, hf_logits, make_hf, our_logits, random_ids
+
+pytest.importorskip("transformers")
+
+VARIANTS = {
+    "llama": ("llama", {}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "llama3-rope": ("llama", {"rope_parameters": LLAMA3_ROPE}),
+    "linear-rope": ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}),
+    "llama-biases": ("llama", {"attention_bias": True, "mlp_bias": True}),
+    "qwen2": ("qwen2", {}),
+    "mistral-window": ("mistral", {"sliding_window": 5}),
+}
+
+
+def _saved(tmp_path: Path, variant: str) -> tuple[torch.nn.Module, Path]:
+    arch, overrides = VARIANTS[variant]
+    hf = make_hf(arch, **overrides)
+    hf.save_pretrained(tmp_path)  # safetensors
+    assert list(tmp_path.glob("*.safetensors"))
+    return hf, tmp_path
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_logits_equal_transformers(tmp_path: Path, variant: str) -> None:
+    hf, folder = _saved(tmp_path, variant)
+    model = load_hf(folder, progress=False).build()
+    ids = random_ids(24)
+    expected = hf_logits(hf, ids)
+    assert expected.abs().max() > 1.0  # weights are large enough for the check to bite
+    torch.testing.assert_close(our_logits(model, ids), expected, atol=1e-5, rtol=0)
+
+
+def test_config_from_folder(tmp_path: Path) -> None:
+    _, folder = _saved(tmp_path, "qwen2")
+    config = load_hf(folder, progress=False).config
+    assert (config.architecture, config.attention_bias, config.attention_out_bias) == (
+        "qwen2",
+        True,
+        False,
+    )
+    assert (config.num_heads, config.num_kv_heads, config.head_dim) == (4, 2, 16)
+    assert (config.bos_token_id, config.eos_token_ids) == (1, (2,))
+
+
+def test_llama3_scaling_is_read(tmp_path: Path) -> None:
+    _, folder = _saved(tmp_path, "llama3-rope")
+    assert load_hf(folder, progress=False).config.rope_scaling == RopeScaling(
+        "llama3", 8.0, 1.0, 4.0, 64
+    )
+
+
+def test_tied_checkpoint_has_no_lm_head(tmp_path: Path) -> None:
+    hf, folder = _saved(tmp_path, "llama-tied")
+    checkpoint = load_hf(folder, progress=False)
+    assert "lm_head.weight" not in checkpoint.state_dict
+    assert checkpoint.build().lm_head is None
+    sd = hf.state_dict()
+    torch.testing.assert_close(
+        checkpoint.state_dict["embed_tokens.weight"], sd["model.embed_tokens.weight"]
+    )
+
+
+def test_bf16_weights(tmp_path: Path) -> None:
+    hf, folder = _saved(tmp_path, "llama")
+    model = load_hf(folder, dtype="bf16", progress=False).build()
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    ids = random_ids(16)
+    ours = our_logits(model, ids).float()
+    reference = hf_logits(hf.to(torch.bfloat16), ids).float()
+    # Both round every op to bf16 (8 mantissa bits); the kernels differ in accumulation order.
+    assert (ours - reference).abs().max() < 0.1
+    assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+
+
+def test_generation_config_eos_is_merged(tmp_path: Path) -> None:
+    _, folder = _saved(tmp_path, "llama")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    assert load_hf(folder, progress=False).config.eos_token_ids == (2, 7)
+
+
+def test_transformers4_config_spelling() -> None:
+    raw = {
+        **TINY,
+        "model_type": "llama",
+        "rope_theta": 500000.0,
+        "rope_scaling": {"type": "linear", "factor": 4.0},
+    }
+    config = read_hf_config(raw)
+    assert config.rope_theta == 500000.0
+    assert config.rope_scaling == RopeScaling("linear", 4.0)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported; supported: "),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+        ({"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
+        ({"num_key_value_heads": 3}, "num_kv_heads"),
+        ({"vocab_size": 0}, "vocab_size"),
+    ],
+)
+def test_bad_configs_raise(change: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        read_hf_config({**TINY, "model_type": "llama", **change})
+
+
+def test_missing_folder_names_the_path(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match=str(missing)):
+        load_hf(missing)
+    missing.mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_hf(missing)
