@@ -14,6 +14,31 @@ from kvabi.abi.text_form import from_text
 from kvabi.bench.report import print_table
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kvabi.cli.generate import cmd_generate as run
+
+    return run(args)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from kvabi.cli.generate import cmd_chat as run
+
+    return run(args)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="a .gguf file, an HF folder, or a bundled name "
+                   "(default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--kv-layout", default="nhd", help="nhd, hnd or a paged preset name")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+
+
 def cmd_layouts(args: argparse.Namespace) -> int:
     rows = [
         [
@@ -112,6 +137,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from kvabi.bench.convert_bench import run
 
         run(args.quick, args.json)
+    elif args.what == "throughput":
+        from kvabi.bench.throughput import run as run_throughput
+
+        run_throughput(args.quick, args.json, args.dtype)
     return 0
 
 
@@ -140,8 +169,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--concurrency", type=int, default=1)
     p.set_defaults(fn=cmd_plan)
+    p = sub.add_parser("generate", help="complete a prompt, streamed, with the kvabi engine")
+    p.add_argument("prompt")
+    p.add_argument("--chat-template", action="store_true", help="wrap as one user chat turn")
+    add_engine_args(p)
+    p.set_defaults(fn=cmd_generate)
+    p = sub.add_parser("chat", help="an interactive chat with the kvabi engine")
+    add_engine_args(p)
+    p.set_defaults(fn=cmd_chat)
     p = sub.add_parser("bench", help="benchmarks, as ratios against a same-run baseline")
-    p.add_argument("what", choices=["convert"])
+    p.add_argument("what", choices=["convert", "throughput"])
+    p.add_argument("--dtype", action="append", choices=["bf16", "fp32"],
+                   help="throughput: model dtypes to run (default bf16, and fp32 without --quick)")
     p.add_argument("--quick", action="store_true", help="the ~1 minute size")
     p.add_argument("--json", help="write the figures as one JSON object to this file")
     p.set_defaults(fn=cmd_bench)
@@ -152,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (KvabiError, KeyError, OSError) as exc:
+    except (KvabiError, KeyError, OSError, ValueError) as exc:
         print(f"kvabi {args.command}: error: {exc}", file=sys.stderr)
         return 1
 

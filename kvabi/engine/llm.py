@@ -12,7 +12,7 @@ from kvabi.engine.engine import EngineConfig, LLMEngine
 from kvabi.engine.outputs import RequestOutput
 from kvabi.engine.sampling_params import SamplingParams
 from kvabi.interop.model_spec import gguf_fingerprint, state_dict_fingerprint
-from kvabi.models.registry import load_model, resolve_model
+from kvabi.models.registry import LoadedModel, load_model, resolve_model
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,18 @@ class LLM:
             if source.format == "gguf"
             else state_dict_fingerprint(loaded.model.state_dict())
         )
-        self.engine = LLMEngine(loaded, EngineConfig(**engine_config), fingerprint)
-        self.tokenizer = loaded.tokenizer
+        self._attach(LLMEngine(loaded, EngineConfig(**engine_config), fingerprint))
+
+    @classmethod
+    def from_loaded(cls, loaded: LoadedModel, fingerprint: str = "", **engine_config: object) -> LLM:
+        """An LLM over an already loaded model (another layout, block size, ... of the same)."""
+        llm = cls.__new__(cls)
+        llm._attach(LLMEngine(loaded, EngineConfig(**engine_config), fingerprint))
+        return llm
+
+    def _attach(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
 
     def generate(
         self,

@@ -1,0 +1,127 @@
+"""One engine's side of `kvabi bench throughput`, run in its own process (for a clean peak RSS).
+
+`python -m kvabi.bench.throughput_workers --engine kvabi|hf|llamacpp --workload W --out O`.
+Every engine gets the same token ids, greedy, EOS ignored, so each produces exactly the
+requested number of tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def _timed(fn: Callable[[], object]) -> tuple[float, object]:
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def run_kvabi(work: dict, dtype: str) -> dict:
+    from kvabi.engine.llm import LLM
+    from kvabi.engine.sampling_params import SamplingParams
+
+    llm = LLM(dtype=dtype, progress=False, max_num_batched_tokens=1024)
+    engine = llm.engine
+
+    def generate(requests: list[tuple[list[int], int]]) -> list[tuple[int, ...]]:
+        ids = [engine.add_request(p, SamplingParams(max_tokens=n, temperature=0,
+                                                    ignore_eos=True)) for p, n in requests]
+        done = {}
+        while engine.has_unfinished():
+            done |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+        return [done[i] for i in ids]
+
+    return _measure(generate, work)
+
+
+def run_hf(work: dict, dtype: str) -> dict:
+    import transformers
+
+    from kvabi.models.registry import bundled_model_path
+
+    path = bundled_model_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name,
+        dtype=torch.bfloat16 if dtype == "bf16" else torch.float32).eval()
+
+    @torch.inference_mode()
+    def generate(requests: list[tuple[list[int], int]]) -> list[tuple[int, ...]]:
+        # Static batching: left-pad to the longest prompt; every row runs to the longest output.
+        width, new = max(len(p) for p, _ in requests), max(n for _, n in requests)
+        ids = torch.zeros(len(requests), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, (p, _) in enumerate(requests):
+            ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                             do_sample=False, pad_token_id=0)
+        return [tuple(out[i, width:width + n].tolist()) for i, (_, n) in enumerate(requests)]
+
+    return _measure(generate, work)
+
+
+def run_llamacpp(work: dict, dtype: str) -> dict:
+    import llama_cpp
+
+    from kvabi.models.registry import bundled_model_path
+
+    llm = llama_cpp.Llama(model_path=str(bundled_model_path()), n_ctx=2048, n_batch=512,
+                          n_threads=2, flash_attn=True, verbose=False)
+    eos = llm.token_eos()
+
+    def no_eos(_ids: object, logits: object) -> object:
+        logits[eos] = -float("inf")
+        return logits
+
+    def one(prompt: list[int], n: int) -> tuple[int, ...]:
+        llm.reset()
+        out = []
+        for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True,
+                                  logits_processor=llama_cpp.LogitsProcessorList([no_eos])):
+            out.append(token)
+            if len(out) == n:
+                break
+        return tuple(out)
+
+    # llama-cpp-python serves one sequence at a time: concurrent requests run in turn.
+    return _measure(lambda reqs: [one(p, n) for p, n in reqs], work)
+
+
+def _measure(generate: Callable[[list[tuple[list[int], int]]], list], work: dict) -> dict:
+    b1 = work["batch1"]
+    generate([(b1["prompt_ids"][:8], 2)])  # warm-up
+    ttft, _ = _timed(lambda: generate([(b1["prompt_ids"], 1)]))
+    total, tokens = _timed(lambda: generate([(b1["prompt_ids"], b1["max_tokens"])]))
+    reqs = [(r["prompt_ids"], r["max_tokens"]) for r in work["concurrent"]]
+    wall, outs = _timed(lambda: generate(reqs))
+    produced = sum(len(o) for o in outs)
+    return {"batch1_ttft_s": ttft, "batch1_decode_tok_s": (b1["max_tokens"] - 1) / (total - ttft),
+            "concurrent_tok_s": produced / wall, "concurrent_wall_s": wall,
+            "concurrent_tokens": produced, "batch1_tokens": list(tokens[0]),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+RUNNERS = {"kvabi": run_kvabi, "hf": run_hf, "llamacpp": run_llamacpp}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--engine", choices=sorted(RUNNERS), required=True)
+    parser.add_argument("--workload", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    args = parser.parse_args()
+    work = json.loads(Path(args.workload).read_text())
+    figures = RUNNERS[args.engine](work, args.dtype)
+    figures |= {"engine": args.engine, "dtype": args.dtype}
+    Path(args.out).write_text(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
