@@ -1,4 +1,4 @@
-"""`kvabi bench throughput`: kvabi vs HF `generate`, llama.cpp and vLLM on the same model and tokens.
+"""`kvabi bench throughput`: kvabi vs HF `generate`, llama.cpp and vLLM, same model and tokens.
 
 Each engine runs in its own process, one after another (never two at once on this 2-core
 machine), on a seeded workload: batch 1 (TTFT and decode tokens/s) and 16 concurrent requests
@@ -19,8 +19,38 @@ from kvabi.bench.report import print_table, write_json
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-WORDS = ("the model reads every token of the prompt once and then writes one token at a time "
-         "while the cache of keys and values grows with each step of the request").split()
+WORDS = (
+    "the",
+    "model",
+    "reads",
+    "every",
+    "token",
+    "of",
+    "a",
+    "prompt",
+    "once",
+    "and",
+    "then",
+    "writes",
+    "one",
+    "at",
+    "time",
+    "while",
+    "cache",
+    "keys",
+    "values",
+    "grows",
+    "with",
+    "each",
+    "step",
+    "request",
+    "city",
+    "river",
+    "music",
+    "history",
+    "of",
+    "science",
+)
 
 
 def workload(quick: bool, seed: int = 0) -> dict:
@@ -35,13 +65,16 @@ def workload(quick: bool, seed: int = 0) -> dict:
 
     def prompt(n: int) -> list[int]:
         start = rng.randrange(len(corpus) - n)
-        return corpus[start:start + n]
+        return corpus[start : start + n]
 
     p_lo, p_hi, o_lo, o_hi = (32, 256, 16, 64) if quick else (64, 512, 32, 128)
-    return {"batch1": {"prompt_ids": prompt(200 if quick else 500),
-                       "max_tokens": 32 if quick else 64},
-            "concurrent": [{"prompt_ids": prompt(rng.randint(p_lo, p_hi)),
-                            "max_tokens": rng.randint(o_lo, o_hi)} for _ in range(16)]}
+    return {
+        "batch1": {"prompt_ids": prompt(200 if quick else 500), "max_tokens": 32 if quick else 64},
+        "concurrent": [
+            {"prompt_ids": prompt(rng.randint(p_lo, p_hi)), "max_tokens": rng.randint(o_lo, o_hi)}
+            for _ in range(16)
+        ],
+    }
 
 
 def _run_worker(cmd: list[str], out: Path) -> dict | str:
@@ -65,8 +98,9 @@ def run(quick: bool, json_path: str | None, dtypes: list[str] | None = None) -> 
         wpath.write_text(json.dumps(work))
         for engine, dtype in _engines(dtypes):
             out = Path(tmp) / f"{engine}-{dtype}.json"
-            results[f"{engine}-{dtype}"] = _run_worker(_command(engine, dtype, wpath, out, tmp),
-                                                       out)
+            results[f"{engine}-{dtype}"] = _run_worker(
+                _command(engine, dtype, wpath, out, tmp), out
+            )
             print(f"  {engine} ({dtype}): done", file=sys.stderr)
     figures = _figures(results, work, dtypes)
     _print(figures)
@@ -76,25 +110,52 @@ def run(quick: bool, json_path: str | None, dtypes: list[str] | None = None) -> 
 
 def _command(engine: str, dtype: str, wpath: Path, out: Path, tmp: str) -> list[str]:
     if engine != "vllm":
-        return [sys.executable, "-m", "kvabi.bench.throughput_workers", "--engine", engine,
-                "--workload", str(wpath), "--out", str(out),
-                "--dtype", "bf16" if engine == "llamacpp" else dtype]
+        return [
+            sys.executable,
+            "-m",
+            "kvabi.bench.throughput_workers",
+            "--engine",
+            engine,
+            "--workload",
+            str(wpath),
+            "--out",
+            str(out),
+            "--dtype",
+            "bf16" if engine == "llamacpp" else dtype,
+        ]
     if not VLLM_PYTHON.exists():
-        return [sys.executable, "-c", "raise SystemExit('vLLM not installed: "
-                "run scripts/setup_vllm.sh')"]
+        return [
+            sys.executable,
+            "-c",
+            "raise SystemExit('vLLM not installed: run scripts/setup_vllm.sh')",
+        ]
     from kvabi.bench.hf_export import export_hf_folder
     from kvabi.models.registry import load_model
 
     folder = export_hf_folder(load_model(dtype=dtype, progress=False), Path(tmp) / "hf")
-    return [str(VLLM_PYTHON), str(ROOT / "kvabi" / "bench" / "vllm_worker.py"), "--model-dir",
-            str(folder), "--workload", str(wpath), "--out", str(out), "--dtype",
-            "bfloat16" if dtype == "bf16" else "float32"]
+    return [
+        str(VLLM_PYTHON),
+        str(ROOT / "kvabi" / "bench" / "vllm_worker.py"),
+        "--model-dir",
+        str(folder),
+        "--workload",
+        str(wpath),
+        "--out",
+        str(out),
+        "--dtype",
+        "bfloat16" if dtype == "bf16" else "float32",
+    ]
 
 
 def _figures(results: dict, work: dict, dtypes: list[str]) -> dict:
-    figures = {"workload": {"batch1_prompt": len(work["batch1"]["prompt_ids"]),
-                            "batch1_new": work["batch1"]["max_tokens"],
-                            "concurrent": len(work["concurrent"])}, "engines": results}
+    figures = {
+        "workload": {
+            "batch1_prompt": len(work["batch1"]["prompt_ids"]),
+            "batch1_new": work["batch1"]["max_tokens"],
+            "concurrent": len(work["concurrent"]),
+        },
+        "engines": results,
+    }
     for d in dtypes:
         hf, ours = results.get(f"hf-{d}"), results.get(f"kvabi-{d}")
         if isinstance(hf, dict) and isinstance(ours, dict):
@@ -111,13 +172,24 @@ def _print(figures: dict) -> None:
         if isinstance(r, str):
             rows.append([name, r, "", "", "", ""])
             continue
-        rows.append([name, r["batch1_ttft_s"], r["batch1_decode_tok_s"], r["concurrent_tok_s"],
-                     r["concurrent_wall_s"], r["peak_rss_mb"]])
+        rows.append(
+            [
+                name,
+                r["batch1_ttft_s"],
+                r["batch1_decode_tok_s"],
+                r["concurrent_tok_s"],
+                r["concurrent_wall_s"],
+                r["peak_rss_mb"],
+            ]
+        )
     w = figures["workload"]
-    print_table(f"kvabi bench throughput: SmolLM2-135M, batch 1 = {w['batch1_prompt']}-token "
-                f"prompt + {w['batch1_new']} new; {w['concurrent']} concurrent mixed requests",
-                ["engine-dtype", "TTFT s", "decode tok/s", "concurrent tok/s", "wall s",
-                 "peak RSS MB"], rows)
+    print_table(
+        f"kvabi bench throughput: SmolLM2-135M, batch 1 = {w['batch1_prompt']}-token "
+        f"prompt + {w['batch1_new']} new; {w['concurrent']} concurrent mixed requests",
+        ["engine-dtype", "TTFT s", "decode tok/s", "concurrent tok/s", "wall s", "peak RSS MB"],
+        rows,
+    )
     ratios = [[k, v] for k, v in figures.items() if k.endswith("_ratio") or k.endswith("_hf")]
-    print_table("kvabi vs HF generate (same run; >1 means kvabi is faster)",
-                ["figure", "value"], ratios)
+    print_table(
+        "kvabi vs HF generate (same run; >1 means kvabi is faster)", ["figure", "value"], ratios
+    )

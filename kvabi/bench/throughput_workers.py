@@ -31,8 +31,10 @@ def run_kvabi(work: dict, dtype: str) -> dict:
     engine = llm.engine
 
     def generate(requests: list[tuple[list[int], int]]) -> list[tuple[int, ...]]:
-        ids = [engine.add_request(p, SamplingParams(max_tokens=n, temperature=0,
-                                                    ignore_eos=True)) for p, n in requests]
+        ids = [
+            engine.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+            for p, n in requests
+        ]
         done = {}
         while engine.has_unfinished():
             done |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
@@ -48,8 +50,10 @@ def run_hf(work: dict, dtype: str) -> dict:
 
     path = bundled_model_path()
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name,
-        dtype=torch.bfloat16 if dtype == "bf16" else torch.float32).eval()
+        str(path.parent),
+        gguf_file=path.name,
+        dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
+    ).eval()
 
     @torch.inference_mode()
     def generate(requests: list[tuple[list[int], int]]) -> list[tuple[int, ...]]:
@@ -58,10 +62,16 @@ def run_hf(work: dict, dtype: str) -> dict:
         ids = torch.zeros(len(requests), width, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, (p, _) in enumerate(requests):
-            ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                             do_sample=False, pad_token_id=0)
-        return [tuple(out[i, width:width + n].tolist()) for i, (_, n) in enumerate(requests)]
+            ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        return [tuple(out[i, width : width + n].tolist()) for i, (_, n) in enumerate(requests)]
 
     return _measure(generate, work)
 
@@ -71,8 +81,14 @@ def run_llamacpp(work: dict, dtype: str) -> dict:
 
     from kvabi.models.registry import bundled_model_path
 
-    llm = llama_cpp.Llama(model_path=str(bundled_model_path()), n_ctx=2048, n_batch=512,
-                          n_threads=2, flash_attn=True, verbose=False)
+    llm = llama_cpp.Llama(
+        model_path=str(bundled_model_path()),
+        n_ctx=2048,
+        n_batch=512,
+        n_threads=2,
+        flash_attn=True,
+        verbose=False,
+    )
     eos = llm.token_eos()
 
     def no_eos(_ids: object, logits: object) -> object:
@@ -82,8 +98,13 @@ def run_llamacpp(work: dict, dtype: str) -> dict:
     def one(prompt: list[int], n: int) -> tuple[int, ...]:
         llm.reset()
         out = []
-        for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True,
-                                  logits_processor=llama_cpp.LogitsProcessorList([no_eos])):
+        for token in llm.generate(
+            prompt,
+            temp=0.0,
+            top_k=1,
+            reset=True,
+            logits_processor=llama_cpp.LogitsProcessorList([no_eos]),
+        ):
             out.append(token)
             if len(out) == n:
                 break
@@ -101,10 +122,15 @@ def _measure(generate: Callable[[list[tuple[list[int], int]]], list], work: dict
     reqs = [(r["prompt_ids"], r["max_tokens"]) for r in work["concurrent"]]
     wall, outs = _timed(lambda: generate(reqs))
     produced = sum(len(o) for o in outs)
-    return {"batch1_ttft_s": ttft, "batch1_decode_tok_s": (b1["max_tokens"] - 1) / (total - ttft),
-            "concurrent_tok_s": produced / wall, "concurrent_wall_s": wall,
-            "concurrent_tokens": produced, "batch1_tokens": list(tokens[0]),
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    return {
+        "batch1_ttft_s": ttft,
+        "batch1_decode_tok_s": (b1["max_tokens"] - 1) / (total - ttft),
+        "concurrent_tok_s": produced / wall,
+        "concurrent_wall_s": wall,
+        "concurrent_tokens": produced,
+        "batch1_tokens": list(tokens[0]),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
 
 
 RUNNERS = {"kvabi": run_kvabi, "hf": run_hf, "llamacpp": run_llamacpp}

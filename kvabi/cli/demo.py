@@ -31,8 +31,9 @@ NEW_TOKENS = 24
 def _llama():  # noqa: ANN202 - llama_cpp.Llama, imported lazily
     import llama_cpp
 
-    return llama_cpp.Llama(model_path=str(bundled_model_path()), n_ctx=512, n_threads=2,
-                           verbose=False)
+    return llama_cpp.Llama(
+        model_path=str(bundled_model_path()), n_ctx=512, n_threads=2, verbose=False
+    )
 
 
 def main() -> int:
@@ -43,8 +44,9 @@ def main() -> int:
         return 1
     OUT.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer.from_gguf(bundled_model_path())
-    ids = tok.apply_chat_template([{"role": "user", "content": QUESTION}],
-                                  add_generation_prompt=True)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": QUESTION}], add_generation_prompt=True
+    )
     print(f"1. llama.cpp prefills {len(ids)} tokens of: {QUESTION!r}")
     source = _llama()
     source.eval(ids)
@@ -62,8 +64,10 @@ def main() -> int:
     vllm = convert(cache, vllm_desc, num_tokens=len(ids))
     second = OUT / "vllm-flashinfer-hnd.kvabi"
     write_container(second, vllm, ids, hashes)
-    print(f"\n3. converted (losslessly: f16, K re-paired) to vLLM's FlashInfer HND layout, "
-          f"16-token blocks: {second}")
+    print(
+        f"\n3. converted (losslessly: f16, K re-paired) to vLLM's FlashInfer HND layout, "
+        f"16-token blocks: {second}"
+    )
     kvabi_main(["inspect", str(second)])
     back = read_container(second, expect=model)  # checksums and model verified
     target = _llama()
@@ -80,7 +84,7 @@ def main() -> int:
 def _text(tok: Tokenizer, ids: list[int]) -> str:
     """The reply up to its end-of-turn token (the comparison itself covers every token)."""
     ends = [ids.index(e) for e in tok.eos_token_ids if e in ids]
-    return tok.decode(ids[:min(ends, default=len(ids))], skip_special_tokens=True)
+    return tok.decode(ids[: min(ends, default=len(ids))], skip_special_tokens=True)
 
 
 if __name__ == "__main__":

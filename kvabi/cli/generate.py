@@ -10,10 +10,16 @@ from kvabi.engine.sampling_params import SamplingParams
 
 
 def _llm(args: argparse.Namespace) -> tuple[LLM, SamplingParams]:
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    llm = LLM(args.model, dtype=args.dtype, kv_layout=args.kv_layout,
-              block_size=args.block_size)  # shows a progress bar while the weights load
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    llm = LLM(
+        args.model, dtype=args.dtype, kv_layout=args.kv_layout, block_size=args.block_size
+    )  # shows a progress bar while the weights load
     return llm, params
 
 
@@ -31,8 +37,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm, params = _llm(args)
     prompt = args.prompt
     if args.chat_template:
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                   add_generation_prompt=True)
+        prompt = llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True
+        )
     _stream(llm, prompt, params)
     return 0
 

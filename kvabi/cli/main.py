@@ -27,8 +27,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="a .gguf file, an HF folder, or a bundled name "
-                   "(default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model",
+        help="a .gguf file, an HF folder, or a bundled name "
+        "(default: the bundled SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--kv-layout", default="nhd", help="nhd, hnd or a paged preset name")
     p.add_argument("--block-size", type=int, default=16)
@@ -179,8 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_chat)
     p = sub.add_parser("bench", help="benchmarks, as ratios against a same-run baseline")
     p.add_argument("what", choices=["convert", "throughput"])
-    p.add_argument("--dtype", action="append", choices=["bf16", "fp32"],
-                   help="throughput: model dtypes to run (default bf16, and fp32 without --quick)")
+    p.add_argument(
+        "--dtype",
+        action="append",
+        choices=["bf16", "fp32"],
+        help="throughput: model dtypes to run (default bf16, and fp32 without --quick)",
+    )
     p.add_argument("--quick", action="store_true", help="the ~1 minute size")
     p.add_argument("--json", help="write the figures as one JSON object to this file")
     p.set_defaults(fn=cmd_bench)

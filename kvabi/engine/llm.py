@@ -45,7 +45,9 @@ class LLM:
         self._attach(LLMEngine(loaded, EngineConfig(**engine_config), fingerprint))
 
     @classmethod
-    def from_loaded(cls, loaded: LoadedModel, fingerprint: str = "", **engine_config: object) -> LLM:
+    def from_loaded(
+        cls, loaded: LoadedModel, fingerprint: str = "", **engine_config: object
+    ) -> LLM:
         """An LLM over an already loaded model (another layout, block size, ... of the same)."""
         llm = cls.__new__(cls)
         llm._attach(LLMEngine(loaded, EngineConfig(**engine_config), fingerprint))

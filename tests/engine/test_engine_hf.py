@@ -37,8 +37,12 @@ def llm() -> LLM:
 
 @pytest.fixture(scope="module")
 def prompts(llm: LLM) -> list[list[int]]:
-    return [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}],
-                                              add_generation_prompt=True) for p in PROMPTS]
+    return [
+        llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True
+        )
+        for p in PROMPTS
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +50,19 @@ def hf_ref(prompts: list[list[int]]) -> tuple[list[tuple[int, ...]], list[torch.
     """HF's greedy tokens for every prompt, and its next-token logits for the first two."""
     path = bundled_model_path()
     hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
     out = []
     with torch.no_grad():
         for ids in prompts:
-            gen = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                              min_new_tokens=NEW_TOKENS, pad_token_id=0)
-            out.append(tuple(gen[0, len(ids):].tolist()))
+            gen = hf.generate(
+                torch.tensor([ids]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                min_new_tokens=NEW_TOKENS,
+                pad_token_id=0,
+            )
+            out.append(tuple(gen[0, len(ids) :].tolist()))
         first_logits = [hf(torch.tensor([ids])).logits[0, -1] for ids in prompts[:2]]
     return out, first_logits
 

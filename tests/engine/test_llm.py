@@ -14,7 +14,10 @@ def test_generate_keeps_prompt_order_and_accepts_text_or_ids(llm):
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     outs = llm.generate(["abc", [5, 6, 7, 8], "hello there"], params)
     assert [o.prompt_token_ids for o in outs] == [
-        tuple(llm.tokenizer.encode("abc")), (5, 6, 7, 8), tuple(llm.tokenizer.encode("hello there"))]
+        tuple(llm.tokenizer.encode("abc")),
+        (5, 6, 7, 8),
+        tuple(llm.tokenizer.encode("hello there")),
+    ]
     assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
 
 
