@@ -8,6 +8,7 @@ Conversion is copying between such views; presets never need code of their own.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -45,8 +46,11 @@ def owner_layers(desc: Descriptor) -> list[int]:
     return [i for i, x in enumerate(desc.model.layers) if x.kind != SHARED]
 
 
-def buffer_specs(desc: Descriptor, extent: int) -> list[BufferSpec]:
-    """The buffers of a cache of `extent` blocks (paged) or tokens (unpaged), in key order."""
+@lru_cache(maxsize=1024)
+def buffer_specs(desc: Descriptor, extent: int) -> tuple[BufferSpec, ...]:
+    """The buffers of a cache of `extent` blocks (paged) or tokens (unpaged), in key order.
+
+    Cached: descriptors are frozen and hot paths (conversion, the engine) ask again and again."""
     lay, owners = desc.layout, owner_layers(desc)
     groups = [(owners, "all")] if lay.is_cross_layer else [([i], str(i)) for i in owners]
     specs = []
@@ -66,9 +70,10 @@ def buffer_specs(desc: Descriptor, extent: int) -> list[BufferSpec]:
     return specs
 
 
-def layer_buffer_specs(desc: Descriptor, layer_id: int, extent: int) -> list[BufferSpec]:
+@lru_cache(maxsize=4096)
+def layer_buffer_specs(desc: Descriptor, layer_id: int, extent: int) -> tuple[BufferSpec, ...]:
     """The buffers holding one layer (for a per-layer layout: exactly that layer's tensors)."""
-    return [s for s in buffer_specs(desc, extent) if layer_id in s.layer_ids]
+    return tuple(s for s in buffer_specs(desc, extent) if layer_id in s.layer_ids)
 
 
 def allocate(desc: Descriptor, extent: int, fill: str = "empty") -> dict[str, torch.Tensor]:

@@ -3,7 +3,8 @@
 llama.cpp prefills a chat prompt on the bundled SmolLM2; its sequence state becomes a kvabi
 container (descriptor, tokens, block hashes, checksummed sections); the container is inspected,
 converted to vLLM's FlashInfer HND layout, read back with the model checked, and handed to a
-fresh llama.cpp context, which must continue exactly as it does from its own prefill.
+fresh llama.cpp context, which must continue exactly as it does from its own prefill. Then
+kvabi's own engine answers the same prompt from its paged cache.
 """
 
 from __future__ import annotations
@@ -78,7 +79,21 @@ def main() -> int:
     print(f"   from the kvabi cache: {_text(tok, resumed)!r}")
     same = own == resumed
     print(f"   {NEW_TOKENS} greedy tokens identical: {same}")
+    _engine_answers(ids)
     return 0 if same else 1
+
+
+def _engine_answers(ids: list[int]) -> None:
+    """The kvabi engine (paged KV in HND blocks, a descriptor like the ones above) answers too."""
+    from kvabi.engine.llm import LLM
+    from kvabi.engine.sampling_params import SamplingParams
+
+    llm = LLM(dtype="bf16", kv_layout="hnd", progress=False)
+    print(f"\n5. kvabi's own engine, cache layout {llm.engine.info.descriptor.layout.name}:")
+    print("   ", end="")
+    for delta in llm.stream(ids, SamplingParams(max_tokens=48, temperature=0)):
+        print(delta.text, end="", flush=True)
+    print()
 
 
 def _text(tok: Tokenizer, ids: list[int]) -> str:

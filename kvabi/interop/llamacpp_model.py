@@ -19,7 +19,7 @@ import torch
 from kvabi.abi.buffers import CacheBuffers, buffer_specs
 from kvabi.abi.convert import convert
 from kvabi.abi.descriptor import ATTN, Descriptor, ModelSpec
-from kvabi.abi.presets import PRESETS, preset_descriptor
+from kvabi.abi.presets import preset_descriptor
 from kvabi.interop.errors import (
     InteropError,
     ModelMismatchError,
@@ -70,12 +70,7 @@ def llamacpp_descriptor(model: ModelSpec, fmt: LlamaCacheFormat) -> Descriptor:
     type_name = GGML_TYPE_NAMES[fmt.type_k]
     if fmt.v_trans and type_name not in ("f32", "f16", "bf16"):
         raise UnsupportedTypeError("llama.cpp never transposes a quantised V")
-    name = f"llamacpp-{type_name}" + ("-vtrans" if fmt.v_trans else "")
-    if name in PRESETS:
-        return preset_descriptor(name, model)
-    base = "llamacpp-bf16" if type_name == "bf16" else "llamacpp-q8_0"
-    overrides = {"v_axes": "HCT"} if fmt.v_trans else {"quant": type_name}
-    return preset_descriptor(base, model, **overrides).with_layout(name=name)
+    return preset_descriptor(f"llamacpp-{type_name}" + ("-vtrans" if fmt.v_trans else ""), model)
 
 
 def state_to_buffers(

