@@ -189,28 +189,43 @@ _ROWS = [
     ),
     _p("llamacpp-bf16", ATTN, LLAMACPP, "K rows, V rows, bf16", "THC", bs=0, dtype="bf16"),
     _p(
-        "llamacpp-q8_0",
+        "llamacpp-bf16-vtrans",
         ATTN,
         LLAMACPP,
-        "K and V rows in q8_0 blocks (34 B per 32)",
+        "K rows, V^T, bf16",
         "THC",
         bs=0,
-        dtype="u8",
-        quant="q8_0",
+        dtype="bf16",
+        v_axes="HCT",
     ),
+    *[
+        _p(
+            f"llamacpp-{q}",
+            ATTN,
+            LLAMACPP,
+            f"K and V rows in {q} blocks of 32 ({b} B)",
+            "THC",
+            bs=0,
+            dtype="u8",
+            quant=q,
+        )
+        for q, b in (("q8_0", 34), ("q4_0", 18), ("q4_1", 20), ("q5_0", 22), ("q5_1", 24))
+    ],
 ]
 PRESETS: dict[str, Preset] = {p.name: p for p in _ROWS}
 
 
-def preset_descriptor(name: str, model: ModelSpec, **overrides: object) -> Descriptor:
-    """The descriptor of `model`'s cache in preset `name`'s layout (block_size etc. overridable)."""
-    preset = PRESETS.get(name)
+def preset_descriptor(preset_name: str, model: ModelSpec, **overrides: object) -> Descriptor:
+    """The descriptor of `model`'s cache in a preset's layout (block_size etc. overridable)."""
+    preset = PRESETS.get(preset_name)
     if preset is None:
-        raise DescriptorError(f"unknown preset {name!r}; `kvabi layouts` lists {len(PRESETS)}")
+        raise DescriptorError(
+            f"unknown preset {preset_name!r}; `kvabi layouts` lists {len(PRESETS)}"
+        )
     kinds = {x.kind for x in model.layers} - {"shared"}
     if kinds != {preset.kind}:
         raise DescriptorError(
-            f"preset {name!r} is for {preset.kind} layers; the model has {sorted(kinds)}"
+            f"preset {preset_name!r} is for {preset.kind} layers; the model has {sorted(kinds)}"
         )
     return Descriptor(model, replace(preset.layout, **overrides))
 

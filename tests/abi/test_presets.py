@@ -229,7 +229,8 @@ def _extent(desc):
 
 
 def test_every_attention_preset_is_covered_by_a_construction():
-    quantised = {"vllm-fp8", "vllm-int8-per-token-head", "vllm-fp8-per-token-head", "llamacpp-q8_0"}
+    quantised = {"vllm-fp8", "vllm-int8-per-token-head", "vllm-fp8-per-token-head"}
+    quantised |= {f"llamacpp-{q}" for q in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")}
     attn = {n for n, p in PRESETS.items() if p.kind == ATTN}
     assert attn - quantised == set(ATTN_EXPECTED)
 
