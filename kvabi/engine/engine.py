@@ -163,13 +163,18 @@ class LLMEngine:
     def _postprocess(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[str]:
         touched: dict[str, None] = {}
         row = 0
+        argmax = logits.argmax(dim=-1).tolist()  # one call for every greedy row of the step
         for s in batch.seqs:
             s.seq.num_computed = s.start + s.num_tokens
             if not s.samples:
                 continue
             if s.seq.params.n > 1 and not s.seq.output_ids and s.seq.index == 0:
                 self._fork(s.seq, logits[row])
-            self._append(s.seq, *sample(logits[row], s.seq.params, s.seq.generator))
+            p = s.seq.params
+            if p.is_greedy and p.logprobs is None:
+                self._append(s.seq, argmax[row], None)
+            else:
+                self._append(s.seq, *sample(logits[row], p, s.seq.generator))
             touched[s.seq.request_id] = None
             row += 1
         return list(touched)

@@ -32,9 +32,10 @@ class StepContext:
     slot_blocks: torch.Tensor  # [num_tokens] int64: block of each new token
     slot_offsets: torch.Tensor  # [num_tokens] int64: slot in that block
     seqs: tuple[SeqSlice, ...]
-    decode_rows: torch.Tensor  # indices into `seqs` of single-query sequences
+    prefills: tuple[SeqSlice, ...]  # sequences with more than one query this step
+    decode_query_rows: torch.Tensor  # [num_decodes] rows of the single-query sequences
     decode_tables: torch.Tensor  # [num_decodes, max_blocks] padded block tables
-    decode_lens: torch.Tensor  # [num_decodes] context lengths
+    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size]: key is valid
 
 
 class PagedAttention:
@@ -64,42 +65,58 @@ class PagedAttention:
             for s in ctx.seqs:
                 self._attend_one(layer_id, q, out, s)
             return out
-        decode = set(ctx.decode_rows.tolist())
-        for i, s in enumerate(ctx.seqs):
-            if i not in decode:
-                self._attend_one(layer_id, q, out, s)
-        if decode:
-            rows = torch.tensor([ctx.seqs[i].query_start for i in ctx.decode_rows.tolist()])
+        for s in ctx.prefills:
+            self._attend_one(layer_id, q, out, s, k, v)
+        if len(ctx.decode_query_rows):
+            rows = ctx.decode_query_rows
             out[rows] = self._attend_decodes(layer_id, q[rows], ctx)
         return out
 
-    def _attend_one(self, layer_id: int, q: torch.Tensor, out: torch.Tensor, s: SeqSlice) -> None:
-        k, v = self.storage.gather(layer_id, s.block_table, s.context_len)  # [ctx, H_kv, D]
+    def _attend_one(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        s: SeqSlice,
+        new_k: torch.Tensor | None = None,
+        new_v: torch.Tensor | None = None,
+    ) -> None:
         rows = slice(s.query_start, s.query_start + s.num_queries)
         qs = q[rows].transpose(0, 1)  # [H, Tq, D]
-        mask = None
-        if s.num_queries > 1:  # causal, offset by the tokens cached before this chunk
-            q_pos = torch.arange(s.context_len - s.num_queries, s.context_len)[:, None]
-            mask = torch.arange(s.context_len)[None, :] <= q_pos  # [Tq, ctx]
+        if new_k is not None and s.context_len == s.num_queries > 1:
+            # a whole prompt in one chunk: its own K/V are the context, plain causal attention
+            k, v, mask, causal = new_k[rows], new_v[rows], None, True
+        else:
+            k, v = self.storage.gather(layer_id, s.block_table, s.context_len)  # [ctx, H_kv, D]
+            mask, causal = _chunk_mask(s), False
+        # 4-D inputs: torch's CPU flash kernel takes them; 3-D ones fall back to the math path
         o = F.scaled_dot_product_attention(
-            qs,
-            k.transpose(0, 1).to(q.dtype),
-            v.transpose(0, 1).to(q.dtype),
+            qs[None],
+            k.transpose(0, 1).to(q.dtype)[None],
+            v.transpose(0, 1).to(q.dtype)[None],
             attn_mask=mask,
+            is_causal=causal,
             enable_gqa=True,
         )
-        out[rows] = o.transpose(0, 1)
+        out[rows] = o[0].transpose(0, 1)
 
     def _attend_decodes(self, layer_id: int, q: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """q [S, H, D] (one query per sequence) -> [S, H, D], with padded K/V gathers."""
         k = self.storage.k[layer_id][ctx.decode_tables].flatten(1, 2)  # [S, L, H_kv, D]
         v = self.storage.v[layer_id][ctx.decode_tables].flatten(1, 2)
-        valid = torch.arange(k.shape[1])[None, :] < ctx.decode_lens[:, None]  # [S, L]
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2),
             k.transpose(1, 2).to(q.dtype),
             v.transpose(1, 2).to(q.dtype),
-            attn_mask=valid[:, None, None, :],
+            attn_mask=ctx.decode_mask,
             enable_gqa=True,
         )  # [S, H, 1, D]
         return o.squeeze(2)
+
+
+def _chunk_mask(s: SeqSlice) -> torch.Tensor | None:
+    """Causal mask of a chunk whose queries follow `context_len - num_queries` cached tokens."""
+    if s.num_queries == 1:
+        return None  # one query sees the whole context
+    q_pos = torch.arange(s.context_len - s.num_queries, s.context_len)[:, None]
+    return torch.arange(s.context_len)[None, :] <= q_pos  # [Tq, ctx]

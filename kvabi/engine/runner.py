@@ -49,7 +49,10 @@ class ModelRunner:
             ]
         )
         ctx = StepContext(
-            slot_blocks, pos % self.block_size, tuple(slices), *_decode_tables(slices)
+            slot_blocks,
+            pos % self.block_size,
+            tuple(slices),
+            *_decode_tables(slices, self.block_size),
         )
         return torch.tensor(ids, dtype=torch.long), pos, ctx, torch.tensor(sample_rows)
 
@@ -58,14 +61,19 @@ def _split(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     return list(torch.split(t, sizes))
 
 
-def _decode_tables(slices: list[SeqSlice]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    rows = [i for i, s in enumerate(slices) if s.num_queries == 1]
-    if not rows:
+def _decode_tables(slices: list[SeqSlice], block_size: int) -> tuple:
+    """Step-wide decode metadata, built once instead of once per layer: the prefilling slices,
+    the decode query rows, padded block tables and the key-validity mask."""
+    prefills = tuple(s for s in slices if s.num_queries > 1)
+    decodes = [s for s in slices if s.num_queries == 1]
+    if not decodes:
         empty = torch.zeros(0, dtype=torch.long)
-        return empty, empty.view(0, 0), empty
-    width = max(len(slices[i].block_table) for i in rows)
-    tables = torch.zeros(len(rows), width, dtype=torch.long)  # padding reads block 0, masked
-    for r, i in enumerate(rows):
-        tables[r, : len(slices[i].block_table)] = slices[i].block_table
-    lens = torch.tensor([slices[i].context_len for i in rows])
-    return torch.tensor(rows), tables, lens
+        return prefills, empty, empty.view(0, 0), torch.zeros(0, 1, 1, 0, dtype=torch.bool)
+    width = max(len(s.block_table) for s in decodes)
+    tables = torch.zeros(len(decodes), width, dtype=torch.long)  # padding reads block 0, masked
+    for r, s in enumerate(decodes):
+        tables[r, : len(s.block_table)] = s.block_table
+    lens = torch.tensor([s.context_len for s in decodes])
+    valid = torch.arange(width * block_size)[None, :] < lens[:, None]  # [S, L]
+    rows = torch.tensor([s.query_start for s in decodes])
+    return prefills, rows, tables, valid[:, None, None, :]
