@@ -104,8 +104,9 @@ def run(model_dir: Path, workload: dict[str, Any], dtype: str) -> dict[str, Any]
         seed=0,
     )
     startup = time.perf_counter() - start
-    warmup_prompt = [{"prompt_token_ids": workload["batch1"]["prompt_ids"][:8]}]
-    llm.generate(warmup_prompt, _params(vllm, 2), use_tqdm=False)
+    # Warm-up as for every engine in the bench: the whole workload once, untimed.
+    _batch1(vllm, llm, workload["batch1"])
+    _concurrent(vllm, llm, workload["concurrent"])
     figures = {"engine": "vllm", "version": vllm.__version__, "dtype": dtype, "startup_s": startup}
     # vLLM logs "Reducing Torch threads to 1" in-process but its CPU worker has already
     # disabled torch.set_num_threads: torch keeps its default threads unless OMP_NUM_THREADS
