@@ -103,7 +103,7 @@ def hf_state_dict(loaded: LoadedModel) -> dict[str, torch.Tensor]:
     out = {}
     for name, tensor in loaded.model.state_dict().items():
         hf_name = name if name.startswith("lm_head.") else f"model.{name}"
-        out[hf_name] = tensor.detach().contiguous()
+        out[hf_name] = tensor.detach().clone()  # own storage: fused projections are views
     return out
 
 

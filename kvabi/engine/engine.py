@@ -78,7 +78,7 @@ class LLMEngine:
             config.block_size,
         )
         attention = PagedAttention(self.storage, config.attention_backend)
-        self.runner = ModelRunner(loaded.model, attention)
+        self.runner = ModelRunner(loaded.model.fuse_projections(), attention)
         self.requests: dict[str, list[Sequence]] = {}
         self._ids = itertools.count()
 

@@ -43,14 +43,24 @@ class SelfAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.attention_out_bias)
+        self.sizes = [q_size, kv_size, kv_size]
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def fuse(self) -> None:
+        if self.qkv is None:
+            self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qkv is not None:  # one GEMM instead of three
+            q, k, v = F.linear(x, *self.qkv).split(self.sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attn(self.layer_id, q, k, v)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
@@ -63,9 +73,33 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(hidden, inner, bias=bias)
         self.up_proj = nn.Linear(hidden, inner, bias=bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def fuse(self) -> None:
+        if self.gate_up is None:
+            self.gate_up = fuse_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights (and biases) of linears sharing an input, and make each linear's
+    parameters views into the result: one GEMM for all, no second copy of the weights."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    has_bias = linears[0].bias is not None
+    bias = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None
+    start = 0
+    for lin in linears:
+        end = start + lin.out_features
+        lin.weight = nn.Parameter(weight[start:end], requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias[start:end], requires_grad=False)
+        start = end
+    return weight, bias
 
 
 class DecoderLayer(nn.Module):
@@ -110,6 +144,14 @@ class LlamaModel(nn.Module):
             model = cls(config)
         model.load_state_dict(state_dict, strict=True, assign=True)
         return model.eval()
+
+    def fuse_projections(self) -> LlamaModel:
+        """Serve q/k/v and gate/up with one GEMM each (weights shared, outputs unchanged up to
+        GEMM summation order). Parameters stay HF-named views, so state_dict() still works."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
 
     @property
     def dtype(self) -> torch.dtype:

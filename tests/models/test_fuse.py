@@ -1,0 +1,23 @@
+import torch
+
+from kvabi.models import ContiguousAttention
+from tests.models.tiny import TINY, make_hf, random_ids
+
+
+def test_fused_projections_keep_outputs_and_the_state_dict(tmp_path):
+    from kvabi.models.hf_loader import load_hf
+
+    for arch in ("llama", "qwen2"):  # qwen2: the q/k/v biases are fused too
+        make_hf(arch).save_pretrained(tmp_path / arch)
+        model = load_hf(tmp_path / arch, "fp32", progress=False).build()
+        ids = random_ids(12)
+        before = model(ids, torch.arange(12), ContiguousAttention(TINY["num_hidden_layers"]))
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        model.fuse_projections().fuse_projections()  # idempotent
+        after = model(ids, torch.arange(12), ContiguousAttention(TINY["num_hidden_layers"]))
+        assert torch.allclose(before, after, atol=1e-5)
+        fused = model.state_dict()
+        assert fused.keys() == state.keys()
+        assert all(torch.equal(fused[k], state[k]) for k in state)
+        qkv = model.layers[0].self_attn.qkv[0]
+        assert model.layers[0].self_attn.k_proj.weight.data_ptr() > qkv.data_ptr()  # a view
