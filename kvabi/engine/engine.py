@@ -102,8 +102,7 @@ class LLMEngine:
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
     ) -> str:
         """Queue a request; raises ValueError for input that cannot be served."""
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._check_prompt(ids)
+        ids = self.prompt_ids(prompt)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
@@ -111,6 +110,12 @@ class LLMEngine:
         self.requests[request_id] = [seq]
         self.scheduler.add(seq)
         return request_id
+
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """The prompt's token ids, checked against the context window, the cache and the vocab."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_prompt(ids)
+        return ids
 
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:

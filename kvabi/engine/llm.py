@@ -67,7 +67,8 @@ class LLM:
         params = params or SamplingParams()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        ids = [self.engine.add_request(p, params) for p in self._validated(prompts)]
+        checked = [self.engine.prompt_ids(p) for p in prompts]  # all before any work starts
+        ids = [self.engine.add_request(p, params) for p in checked]
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), disable=not use_tqdm, desc="generate")
         while self.engine.has_unfinished():
@@ -77,13 +78,6 @@ class LLM:
                     bar.update()
         bar.close()
         return [done[i] for i in ids]
-
-    def _validated(self, prompts: Sequence) -> list:
-        """Check every prompt before queueing any, so bad input starts no work."""
-        for p in prompts:
-            ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
-            self.engine._check_prompt(ids)
-        return list(prompts)
 
     def stream(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -122,15 +124,12 @@ def test_stop_rules_and_logprobs():
 
 def test_eos_stops_unless_ignored():
     engine = tiny_engine()
-    engine.info = engine.info.__class__(
-        engine.info.descriptor,
-        engine.info.num_blocks,
-        engine.info.max_model_len,
-        (REFERENCE[0][2],),
-    )
+    assert engine.info.eos_token_ids == (EOS,)
+    engine.info = dataclasses.replace(engine.info, eos_token_ids=(REFERENCE[0][2],))
     out = run_all(engine, [PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0))[0]
     assert out.outputs[0].token_ids == REFERENCE[0][:3] and out.outputs[0].finish_reason == "stop"
-    assert EOS == 256
+    out = run_all(engine, [PROMPTS[0]], GREEDY)[0]  # ignore_eos
+    assert out.outputs[0].token_ids == REFERENCE[0]
 
 
 @pytest.mark.parametrize(
