@@ -96,6 +96,9 @@ class LLMEngine:
         )
         num_blocks = config.num_blocks or max(config.kv_cache_bytes // per_block, 1)
         max_len = config.max_model_len or loaded.config.max_position_embeddings
+        window = loaded.config.sliding_window
+        if window is not None:  # paged attention attends to everything: stay inside the window
+            max_len = min(max_len, window)
         return EngineInfo(desc, num_blocks, max_len, loaded.stop_token_ids)
 
     def add_request(

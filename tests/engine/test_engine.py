@@ -3,6 +3,7 @@ import dataclasses
 import pytest
 import torch
 
+from kvabi.engine.engine import EngineConfig, LLMEngine
 from kvabi.engine.sampling_params import SamplingParams
 from kvabi.models.attention import ContiguousAttention
 from tests.engine.tiny import EOS, run_all, tiny_engine, tiny_loaded
@@ -170,3 +171,17 @@ def test_abort_frees_blocks():
     assert engine.pool.num_free < engine.pool.num_blocks
     engine.abort(rid)
     assert engine.pool.num_free == engine.pool.num_blocks and not engine.has_unfinished()
+
+
+def test_a_sliding_window_caps_the_context_so_attention_stays_exact():
+    loaded = tiny_loaded()
+    windowed = dataclasses.replace(
+        loaded, config=dataclasses.replace(loaded.config, sliding_window=8)
+    )
+    engine = LLMEngine(windowed, EngineConfig(block_size=4), fingerprint="tiny")
+    assert engine.info.max_model_len == 8
+    with pytest.raises(ValueError, match="^prompt: 9 tokens; the context window is 8"):
+        engine.add_request(list(range(9)), GREEDY)
+    out = run_all(engine, [PROMPTS[0]], GREEDY)[0].outputs[0]
+    assert out.finish_reason == "length" and len(PROMPTS[0]) + len(out.token_ids) == 8
+    assert out.token_ids == REFERENCE[0][: len(out.token_ids)]
