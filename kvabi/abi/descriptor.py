@@ -12,31 +12,21 @@ import json
 from dataclasses import dataclass, field, replace
 
 from kvabi.abi.errors import DescriptorError
+from kvabi.abi.layout import (  # noqa: F401 - re-exported: the descriptor's public names
+    AXIS_LETTERS,
+    DTYPES,
+    GGML_QUANTS,
+    PLANE_PLACEMENTS,
+    QUANTS,
+    Layout,
+    field_error,
+)
 
 ABI_MAJOR = 1
 ABI_MINOR = 0
 
 ATTN, MLA, SHARED = "attn", "mla", "shared"
 ROPE_PAIRINGS = ("half", "pairs")  # half: (i, i+d/2) as HF rotate_half / NEOX; pairs: (2i, 2i+1)
-DTYPES = ("f32", "f16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "u8")
-QUANTS = (
-    "none",
-    "per_tensor",
-    "per_token_head",
-    "fp8_ds_mla",
-    "q8_0",
-    "q4_0",
-    "q4_1",
-    "q5_0",
-    "q5_1",
-)
-GGML_QUANTS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
-PLANE_PLACEMENTS = ("axis", "concat", "separate")
-AXIS_LETTERS = "LKBNHCT"  # layer, plane (K/V), block, slot in block, head, content, token
-
-
-def _fail(field_name: str, message: str) -> DescriptorError:
-    return DescriptorError(f"{field_name}: {message}")
 
 
 @dataclass(frozen=True)
@@ -64,23 +54,25 @@ class LayerSpec:
         if self.kind == ATTN:
             for name in ("num_kv_heads", "k_dim", "v_dim"):
                 if getattr(self, name) < 1:
-                    raise _fail(
+                    raise field_error(
                         name, f"must be >= 1 for an attention layer, got {getattr(self, name)}"
                     )
         elif self.kind == MLA:
             if self.latent_dim < 1 or self.rope_dim < 0:
-                raise _fail(
+                raise field_error(
                     "latent_dim",
                     f"MLA needs latent_dim >= 1 and rope_dim >= 0, got "
                     f"{self.latent_dim}/{self.rope_dim}",
                 )
         elif self.kind == SHARED:
             if self.shares < 0:
-                raise _fail(
+                raise field_error(
                     "shares", f"a shared layer must name the layer it reads, got {self.shares}"
                 )
         else:
-            raise _fail("kind", f"unknown layer kind {self.kind!r}; expected attn, mla or shared")
+            raise field_error(
+                "kind", f"unknown layer kind {self.kind!r}; expected attn, mla or shared"
+            )
 
     @property
     def planes(self) -> tuple[Plane, ...]:
@@ -117,21 +109,25 @@ class ModelSpec:
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
         if not self.layers:
-            raise _fail("layers", "a cache needs at least one layer")
+            raise field_error("layers", "a cache needs at least one layer")
         for i, layer in enumerate(self.layers):
             if layer.kind == SHARED:
                 target = self.layers[layer.shares] if layer.shares < len(self.layers) else None
                 if layer.shares == i or target is None or target.kind == SHARED:
-                    raise _fail(
+                    raise field_error(
                         "shares",
                         f"layer {i} shares layer {layer.shares}, which is not a "
                         "layer with KV of its own",
                     )
         if self.rope_pairing not in ROPE_PAIRINGS:
-            raise _fail("rope_pairing", f"{self.rope_pairing!r}; expected one of {ROPE_PAIRINGS}")
+            raise field_error(
+                "rope_pairing", f"{self.rope_pairing!r}; expected one of {ROPE_PAIRINGS}"
+            )
         k_dims = [lay.k_dim for lay in self.layers if lay.kind == ATTN]
         if self.rope_dim < 0 or self.rope_dim % 2 or (k_dims and self.rope_dim > min(k_dims)):
-            raise _fail("rope_dim", f"{self.rope_dim} must be even and <= every layer's k_dim")
+            raise field_error(
+                "rope_dim", f"{self.rope_dim} must be even and <= every layer's k_dim"
+            )
 
     @property
     def num_layers(self) -> int:
@@ -149,82 +145,6 @@ class ModelSpec:
             "rope_dim": self.rope_dim,
         }
         return hashlib.sha256(_canonical(body).encode()).hexdigest()[:32]
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How the bytes are laid out.
-
-    `axes`: physical axis order, outermost first, over L (layer), K (plane), B (block),
-    N (slot in block), H (head), C (content) -- or T (token) instead of B and N for an unpaged
-    cache. Without K, `planes` says whether the planes are packed into C (`concat`) or held in
-    separate buffers (`separate`, where V may have its own order `v_axes`).
-    """
-
-    axes: str
-    block_size: int = 0  # 0 only for an unpaged (T) layout
-    dtype: str = "bf16"
-    quant: str = "none"
-    planes: str = "axis"
-    v_axes: str = ""
-    tp_rank: int = 0
-    tp_size: int = 1
-    scales: tuple[float, ...] = ()  # per_tensor: (k, v) scale per layer, flattened
-    name: str = ""  # the preset it came from, informational
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "scales", tuple(float(s) for s in self.scales))
-        self._check_axes(self.axes, "axes")
-        if self.v_axes:
-            if self.planes != "separate":
-                raise _fail("v_axes", "only a layout with separate plane buffers can order V apart")
-            self._check_axes(self.v_axes, "v_axes")
-            if ("L" in self.v_axes) != ("L" in self.axes):
-                raise _fail("v_axes", "K and V must agree on whether layers share a buffer")
-        if self.is_paged and self.block_size < 1:
-            raise _fail("block_size", f"must be >= 1 for a paged layout, got {self.block_size}")
-        if not self.is_paged and self.block_size != 0:
-            raise _fail("block_size", "an unpaged (T) layout has no block size; use 0")
-        if self.dtype not in DTYPES:
-            raise _fail("dtype", f"{self.dtype!r}; expected one of {DTYPES}")
-        if self.quant not in QUANTS:
-            raise _fail("quant", f"{self.quant!r}; expected one of {QUANTS}")
-        if self.planes not in PLANE_PLACEMENTS:
-            raise _fail("planes", f"{self.planes!r}; expected one of {PLANE_PLACEMENTS}")
-        if ("K" in self.axes) != (self.planes == "axis"):
-            raise _fail("planes", "'axis' if and only if K is one of the axes")
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise _fail("tp_rank", f"rank {self.tp_rank} outside [0, {self.tp_size})")
-        self._check_quant()
-
-    def _check_axes(self, axes: str, name: str) -> None:
-        if len(set(axes)) != len(axes) or set(axes) - set(AXIS_LETTERS):
-            raise _fail(name, f"{axes!r} must use each of {AXIS_LETTERS} at most once")
-        core = set(axes) - {"L", "K"}
-        if core not in ({"B", "N", "H", "C"}, {"T", "H", "C"}):
-            raise _fail(name, f"{axes!r} needs B, N, H, C (paged) or T, H, C (unpaged)")
-        if not axes.endswith("C") and self.quant != "none" and self.quant != "per_tensor":
-            raise _fail(name, f"{axes!r}: quantised records need C innermost")
-
-    def _check_quant(self) -> None:
-        q, dt = self.quant, self.dtype
-        allowed = {
-            "none": DTYPES[:3],
-            "per_tensor": ("fp8_e4m3", "fp8_e5m2"),
-            "per_token_head": ("int8", "fp8_e4m3", "fp8_e5m2"),
-        }.get(q, ("u8",))
-        if dt not in allowed:
-            raise _fail("dtype", f"quant {q!r} stores {'/'.join(allowed)}, not {dt!r}")
-        if self.scales and q != "per_tensor":
-            raise _fail("scales", "only per_tensor quantisation keeps scales in the descriptor")
-
-    @property
-    def is_paged(self) -> bool:
-        return "T" not in self.axes
-
-    @property
-    def is_cross_layer(self) -> bool:
-        return "L" in self.axes
 
 
 @dataclass(frozen=True)
@@ -312,9 +232,11 @@ def parse_version(text: str) -> tuple[int, int]:
     try:
         major, minor = (int(x) for x in text.split("."))
     except ValueError as exc:
-        raise _fail("kvabi", f"version must be MAJOR.MINOR, got {text!r}") from exc
+        raise field_error("kvabi", f"version must be MAJOR.MINOR, got {text!r}") from exc
     if major != ABI_MAJOR:
-        raise _fail("kvabi", f"major version {major} is not supported (this reader is {ABI_MAJOR})")
+        raise field_error(
+            "kvabi", f"major version {major} is not supported (this reader is {ABI_MAJOR})"
+        )
     return major, minor
 
 
@@ -323,13 +245,13 @@ def _check_pair(model: ModelSpec, lay: Layout) -> None:
     for i, layer in owners:
         planes = layer.planes
         if lay.planes == "axis" and len({(p.num_heads, p.width) for p in planes}) > 1:
-            raise _fail(
+            raise field_error(
                 "axes",
                 f"layer {i}: planes of different sizes cannot share a K axis; "
                 "use planes=concat or separate",
             )
         if layer.kind == ATTN and layer.num_kv_heads % lay.tp_size:
-            raise _fail(
+            raise field_error(
                 "tp_size",
                 f"layer {i} has num_kv_heads={layer.num_kv_heads}, not "
                 f"divisible by tp_size={lay.tp_size}",
@@ -337,23 +259,25 @@ def _check_pair(model: ModelSpec, lay: Layout) -> None:
         if lay.quant == "fp8_ds_mla" and not (
             layer.kind == MLA and layer.latent_dim == 512 and layer.rope_dim == 64
         ):
-            raise _fail(
+            raise field_error(
                 "quant",
                 f"fp8_ds_mla records need MLA with kv_lora_rank 512 and rope 64; "
                 f"layer {i} is {_layer_text(layer)}",
             )
         if lay.quant in GGML_QUANTS and any(p.width % 32 for p in planes):
-            raise _fail(
+            raise field_error(
                 "quant",
                 f"{lay.quant} packs 32-element blocks; layer {i} has a width "
                 "that is not a multiple of 32",
             )
     if lay.quant == "fp8_ds_mla" and lay.planes != "concat":
-        raise _fail("planes", "fp8_ds_mla packs latent and rope into one record: planes=concat")
+        raise field_error(
+            "planes", "fp8_ds_mla packs latent and rope into one record: planes=concat"
+        )
     if lay.is_cross_layer and len({x for _, x in owners}) > 1:
-        raise _fail("axes", "an L axis needs every layer to have the same geometry")
+        raise field_error("axes", "an L axis needs every layer to have the same geometry")
     if lay.scales and len(lay.scales) != 2 * model.num_layers:
-        raise _fail(
+        raise field_error(
             "scales",
             f"{len(lay.scales)} values; per_tensor needs 2 per layer ({2 * model.num_layers})",
         )
