@@ -124,6 +124,11 @@ def reshard(
         )
     extent = srcs[0].extent if whole else _dst_extent(dst_desc.layout, num_tokens, dst_block_ids)
     outs = list(out) if out is not None else [CacheBuffers.empty(d, extent) for d in dst_descs]
+    for side, cache in (("source", srcs[0]), ("destination", outs[0])):
+        if not whole and not cache.desc.layout.is_paged and num_tokens > cache.extent:
+            raise IncompatibleError(
+                f"{num_tokens} tokens asked of an unpaged {side} cache of {cache.extent}"
+            )
     for layer_id in owner_layers(src_desc):
         src_views = [group_views(s.desc, s.tensors, layer_id) for s in srcs]
         dst_views = [group_views(o.desc, o.tensors, layer_id) for o in outs]

@@ -138,6 +138,9 @@ def test_incompatible_and_misshapen_input_is_refused():
         convert(src, preset_descriptor("vllm-flash-attn", model, block_size=8))
     with pytest.raises(IncompatibleError, match="block table"):
         convert(src, src.desc, num_tokens=40, src_block_ids=[0])
+    unpaged = convert(src, preset_descriptor("hf-dynamic", model), num_tokens=10)
+    with pytest.raises(IncompatibleError, match="20 tokens asked of an unpaged source cache of 10"):
+        convert(unpaged, preset_descriptor("hf-dynamic", model), num_tokens=20)
     bad = dict(src.tensors, **{"0": src.tensors["0"][:, :, :, :1]})
     with pytest.raises(ShapeError, match="buffer '0'"):
         CacheBuffers(src.desc, bad)
