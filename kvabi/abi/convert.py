@@ -124,6 +124,10 @@ def reshard(
         )
     extent = srcs[0].extent if whole else _dst_extent(dst_desc.layout, num_tokens, dst_block_ids)
     outs = list(out) if out is not None else [CacheBuffers.empty(d, extent) for d in dst_descs]
+    if whole and outs[0].extent != srcs[0].extent:
+        raise IncompatibleError(
+            f"whole-cache conversion of {srcs[0].extent} blocks into a cache of {outs[0].extent}"
+        )
     for side, cache in (("source", srcs[0]), ("destination", outs[0])):
         if not whole and not cache.desc.layout.is_paged and num_tokens > cache.extent:
             raise IncompatibleError(

@@ -138,6 +138,9 @@ def test_incompatible_and_misshapen_input_is_refused():
         convert(src, preset_descriptor("vllm-flash-attn", model, block_size=8))
     with pytest.raises(IncompatibleError, match="block table"):
         convert(src, src.desc, num_tokens=40, src_block_ids=[0])
+    small = CacheBuffers.empty(preset_descriptor("vllm-flashinfer", model), 1)
+    with pytest.raises(IncompatibleError, match="of 2 blocks into a cache of 1"):
+        convert(src, small.desc, out=small)
     unpaged = convert(src, preset_descriptor("hf-dynamic", model), num_tokens=10)
     with pytest.raises(IncompatibleError, match="20 tokens asked of an unpaged source cache of 10"):
         convert(unpaged, preset_descriptor("hf-dynamic", model), num_tokens=20)
