@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvabi.abi.buffers import buffer_specs
 from kvabi.abi.descriptor import ATTN, Descriptor, LayerSpec, ModelSpec
 from kvabi.abi.presets import PRESETS, preset_descriptor
 from kvabi.cache.block_pool import BlockPool
@@ -91,9 +92,7 @@ class LLMEngine:
             block_size=config.block_size,
             dtype=dtype,
         )
-        per_block = sum(
-            t.numel() * t.element_size() for t in KVStorage(desc, 1).buffers.tensors.values()
-        )
+        per_block = sum(s.num_bytes for s in buffer_specs(desc, 1))  # without allocating
         num_blocks = config.num_blocks or max(config.kv_cache_bytes // per_block, 1)
         max_len = config.max_model_len or loaded.config.max_position_embeddings
         window = loaded.config.sliding_window

@@ -27,38 +27,26 @@ class ModelRunner:
     def _prepare(
         self, batch: ScheduledBatch
     ) -> tuple[torch.Tensor, torch.Tensor, StepContext, torch.Tensor]:
-        ids, positions, slices, sample_rows = [], [], [], []
+        ids, positions, slot_blocks, slices, sample_rows = [], [], [], [], []
         start = 0
         for s in batch.seqs:
-            tokens = s.seq.token_ids()[s.start : s.start + s.num_tokens]
-            ids += tokens
-            positions += range(s.start, s.start + s.num_tokens)
+            ids += s.seq.token_ids()[s.start : s.start + s.num_tokens]
+            pos = torch.arange(s.start, s.start + s.num_tokens)
             table = torch.tensor(s.seq.block_ids, dtype=torch.long)
+            positions.append(pos)
+            slot_blocks.append(table[pos // self.block_size])
             slices.append(SeqSlice(start, s.num_tokens, s.start + s.num_tokens, table))
             start += s.num_tokens
             if s.samples:
                 sample_rows.append(start - 1)
-        pos = torch.tensor(positions, dtype=torch.long)
-        tables = [torch.tensor(s.seq.block_ids, dtype=torch.long) for s in batch.seqs]
-        slot_blocks = torch.cat(
-            [
-                t[p // self.block_size]
-                for t, p in zip(
-                    tables, _split(pos, [s.num_tokens for s in batch.seqs]), strict=True
-                )
-            ]
-        )
+        pos = torch.cat(positions)
         ctx = StepContext(
-            slot_blocks,
+            torch.cat(slot_blocks),
             pos % self.block_size,
             tuple(slices),
             *_decode_tables(slices, self.block_size),
         )
         return torch.tensor(ids, dtype=torch.long), pos, ctx, torch.tensor(sample_rows)
-
-
-def _split(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-    return list(torch.split(t, sizes))
 
 
 def _decode_tables(slices: list[SeqSlice], block_size: int) -> tuple:

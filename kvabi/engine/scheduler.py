@@ -93,7 +93,7 @@ class Scheduler:
             if not self.pool.can_allocate(self._blocks_needed(seq, n)) or preempted:
                 break  # admit nothing while memory is short: it would only be preempted again
             self.waiting.pop(0)
-            self.pool_allocate(seq, n)
+            self._allocate(seq, n)
             self.add_running(seq)
             scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
             budget -= n
@@ -115,7 +115,7 @@ class Scheduler:
             preempted.append(victim)
             if victim is seq:
                 return False
-        self.pool_allocate(seq, n)
+        self._allocate(seq, n)
         return True
 
     def _preempt(self, seq: Sequence) -> None:
@@ -129,5 +129,5 @@ class Scheduler:
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
         return -(-(seq.num_computed + n) // self.block_size) - len(seq.block_ids)
 
-    def pool_allocate(self, seq: Sequence, n: int) -> None:
+    def _allocate(self, seq: Sequence, n: int) -> None:
         seq.block_ids += self.pool.allocate(max(self._blocks_needed(seq, n), 0))
