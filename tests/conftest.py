@@ -1,0 +1,21 @@
+"""Fixtures shared across test packages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2() -> torch.nn.Module:
+    """HF transformers' own load of the bundled SmolLM2 GGUF, fp32: the reference model.
+
+    Loaded once per run (about 20 s here) for every module that compares against it."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from kvabi.models.registry import bundled_model_path
+
+    path = bundled_model_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
