@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top alternatives to return per token (0: the sampled one only)
-    extra: dict = field(default_factory=dict, compare=False)  # tags for later layers
+    cache_salt: str | None = None  # tenant: enters the block hash, so tenants never share blocks
+    session: str | None = None  # a conversation whose blocks are demoted, not dropped, when idle
+    tag: str | None = None  # application label for per-tag cache metrics (e.g. template name)
 
     def __post_init__(self) -> None:
         object.__setattr__(
