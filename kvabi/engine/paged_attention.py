@@ -2,9 +2,11 @@
 
 The step's metadata (`StepContext`) is the only ambient state: `with attention.step(ctx):` around
 the forward. Each call first writes the new tokens' K/V into their slots, then attends.
-Two backends compute the same thing: `reference` (one sequence at a time, plain gather + SDPA:
-easy to read) and `batched` (all single-token decodes of the step in one padded SDPA call;
-chunks of prefill per sequence). Tests compare them.
+Three backends compute the same thing: `reference` (one sequence at a time, plain gather + SDPA:
+easy to read), `batched` (all single-token decodes of the step in one padded SDPA call; chunks of
+prefill per sequence) and `native` (as `batched`, but decodes go to a C++ kernel that reads K/V in
+place through the block tables: `native_kernels.py`; where it cannot be built, `batched` runs).
+Tests compare them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from kvabi.cache.kv_storage import KVStorage
+from kvabi.engine.native_kernels import PagedDecodeKernel, paged_decode_kernel
+
+BACKENDS = ("native", "batched", "reference")
 
 
 @dataclass(frozen=True)
@@ -35,15 +40,20 @@ class StepContext:
     prefills: tuple[SeqSlice, ...]  # sequences with more than one query this step
     decode_query_rows: torch.Tensor  # [num_decodes] rows of the single-query sequences
     decode_tables: torch.Tensor  # [num_decodes, max_blocks] padded block tables
+    decode_lens: torch.Tensor  # [num_decodes] int64 context length of each decode
     decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size]: key is valid
 
 
 class PagedAttention:
-    def __init__(self, storage: KVStorage, backend: str = "batched") -> None:
-        if backend not in ("batched", "reference"):
-            raise ValueError(f"attention backend: 'batched' or 'reference', got {backend!r}")
+    def __init__(self, storage: KVStorage, backend: str = "native") -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"attention backend: one of {BACKENDS}, got {backend!r}")
         self.storage = storage
-        self.backend = backend
+        self.kernel: PagedDecodeKernel | None = None
+        if backend == "native":
+            self.kernel = paged_decode_kernel()
+            backend = "native" if self.kernel else "batched"
+        self.backend = backend  # the one in use
         self._ctx: StepContext | None = None
 
     @contextmanager
@@ -102,6 +112,9 @@ class PagedAttention:
 
     def _attend_decodes(self, layer_id: int, q: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """q [S, H, D] (one query per sequence) -> [S, H, D], with padded K/V gathers."""
+        k_pool, v_pool = self.storage.k[layer_id], self.storage.v[layer_id]
+        if self.kernel is not None and self.kernel.supports(q, k_pool, v_pool):
+            return self.kernel(q, k_pool, v_pool, ctx.decode_tables, ctx.decode_lens)
         k = self.storage.k[layer_id][ctx.decode_tables].flatten(1, 2)  # [S, L, H_kv, D]
         v = self.storage.v[layer_id][ctx.decode_tables].flatten(1, 2)
         o = F.scaled_dot_product_attention(

@@ -51,12 +51,13 @@ class ModelRunner:
 
 def _decode_tables(slices: list[SeqSlice], block_size: int) -> tuple:
     """Step-wide decode metadata, built once instead of once per layer: the prefilling slices,
-    the decode query rows, padded block tables and the key-validity mask."""
+    the decode query rows, padded block tables, context lengths and the key-validity mask."""
     prefills = tuple(s for s in slices if s.num_queries > 1)
     decodes = [s for s in slices if s.num_queries == 1]
     if not decodes:
         empty = torch.zeros(0, dtype=torch.long)
-        return prefills, empty, empty.view(0, 0), torch.zeros(0, 1, 1, 0, dtype=torch.bool)
+        mask = torch.zeros(0, 1, 1, 0, dtype=torch.bool)
+        return prefills, empty, empty.view(0, 0), empty, mask
     width = max(len(s.block_table) for s in decodes)
     tables = torch.zeros(len(decodes), width, dtype=torch.long)  # padding reads block 0, masked
     for r, s in enumerate(decodes):
@@ -64,4 +65,4 @@ def _decode_tables(slices: list[SeqSlice], block_size: int) -> tuple:
     lens = torch.tensor([s.context_len for s in decodes])
     valid = torch.arange(width * block_size)[None, :] < lens[:, None]  # [S, L]
     rows = torch.tensor([s.query_start for s in decodes])
-    return prefills, rows, tables, valid[:, None, None, :]
+    return prefills, rows, tables, lens, valid[:, None, None, :]

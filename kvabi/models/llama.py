@@ -14,6 +14,7 @@ from torch import nn
 
 from kvabi.models.attention import AttentionFn
 from kvabi.models.config import ModelConfig
+from kvabi.models.packed_linear import PackedLinear
 from kvabi.models.rope import RotaryEmbedding, apply_rope
 
 
@@ -44,18 +45,20 @@ class SelfAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.attention_out_bias)
         self.sizes = [q_size, kv_size, kv_size]
-        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.qkv: PackedLinear | None = None  # set by fuse(): q, k and v in one GEMM
+        self.out: PackedLinear | None = None
 
-    def fuse(self) -> None:
+    def fuse(self, pack: bool) -> None:
         if self.qkv is None:
-            self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+            self.qkv = PackedLinear(*fuse_linears([self.q_proj, self.k_proj, self.v_proj]), pack)
+            self.out = PackedLinear(self.o_proj.weight, self.o_proj.bias, pack)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         if self.qkv is not None:  # one GEMM instead of three
-            q, k, v = F.linear(x, *self.qkv).split(self.sizes, dim=-1)
+            q, k, v = self.qkv(x).split(self.sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
@@ -63,7 +66,8 @@ class SelfAttention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attn(self.layer_id, q, k, v)  # [num_tokens, num_heads, head_dim]
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        out = out.reshape(num_tokens, self.num_heads * self.head_dim)
+        return self.o_proj(out) if self.out is None else self.out(out)
 
 
 class SwiGLU(nn.Module):
@@ -73,17 +77,19 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(hidden, inner, bias=bias)
         self.up_proj = nn.Linear(hidden, inner, bias=bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
-        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.gate_up: PackedLinear | None = None  # set by fuse(): gate and up in one GEMM
+        self.down: PackedLinear | None = None
 
-    def fuse(self) -> None:
+    def fuse(self, pack: bool) -> None:
         if self.gate_up is None:
-            self.gate_up = fuse_linears([self.gate_proj, self.up_proj])
+            self.gate_up = PackedLinear(*fuse_linears([self.gate_proj, self.up_proj]), pack)
+            self.down = PackedLinear(self.down_proj.weight, self.down_proj.bias, pack)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is None:
+        if self.gate_up is None or self.down is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
 
 
 def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -134,6 +140,7 @@ class LlamaModel(nn.Module):
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.logits: PackedLinear | None = None  # set by fuse_projections(pack=True)
 
     @classmethod
     def from_state_dict(
@@ -145,12 +152,17 @@ class LlamaModel(nn.Module):
         model.load_state_dict(state_dict, strict=True, assign=True)
         return model.eval()
 
-    def fuse_projections(self) -> LlamaModel:
+    def fuse_projections(self, pack: bool = True) -> LlamaModel:
         """Serve q/k/v and gate/up with one GEMM each (weights shared, outputs unchanged up to
-        GEMM summation order). Parameters stay HF-named views, so state_dict() still works."""
+        GEMM summation order). Parameters stay HF-named views, so state_dict() still works.
+        `pack`: also keep each GEMM's weight pre-packed for the CPU GEMM library (see
+        `PackedLinear`; one more copy of the weights in memory)."""
         for layer in self.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
+            layer.self_attn.fuse(pack)
+            layer.mlp.fuse(pack)
+        if self.logits is None:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            self.logits = PackedLinear(weight, None, pack)
         return self
 
     @property
@@ -168,8 +180,10 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.logits is not None:
+            return self.logits(hidden)  # [num_tokens, vocab_size]
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)  # [num_tokens, vocab_size]
+        return F.linear(hidden, weight)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn

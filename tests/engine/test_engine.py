@@ -32,7 +32,7 @@ REFERENCE = [reference_greedy(p, 12) for p in PROMPTS]
 
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-@pytest.mark.parametrize("backend", ["batched", "reference"])
+@pytest.mark.parametrize("backend", ["native", "batched", "reference"])
 def test_paged_batched_greedy_equals_contiguous_reference(layout, block_size, backend):
     engine = tiny_engine(kv_layout=layout, block_size=block_size, attention_backend=backend)
     outs = run_all(engine, PROMPTS, GREEDY)

@@ -19,6 +19,6 @@ def test_fused_projections_keep_outputs_and_the_state_dict(tmp_path):
         fused = model.state_dict()
         assert fused.keys() == state.keys()
         assert all(torch.equal(fused[k], state[k]) for k in state)
-        qkv = model.layers[0].self_attn.qkv[0]
+        qkv = model.layers[0].self_attn.qkv.weight
         k_weight = model.layers[0].self_attn.k_proj.weight  # a view into the fused weight
         assert k_weight.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()
