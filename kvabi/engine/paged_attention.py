@@ -5,7 +5,8 @@ the forward. Each call first writes the new tokens' K/V into their slots, then a
 Three backends compute the same thing: `reference` (one sequence at a time, plain gather + SDPA:
 easy to read), `batched` (all single-token decodes of the step in one padded SDPA call; chunks of
 prefill per sequence) and `native` (as `batched`, but decodes go to a C++ kernel that reads K/V in
-place through the block tables: `native_kernels.py`; where it cannot be built, `batched` runs).
+place through the block tables: `kvabi/models/cpu_kernels.py`; where it cannot be built, `batched`
+runs).
 Tests compare them.
 """
 
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvabi.cache.kv_storage import KVStorage
-from kvabi.engine.native_kernels import PagedDecodeKernel, paged_decode_kernel
+from kvabi.models.cpu_kernels import CpuKernels, cpu_kernels
 
 BACKENDS = ("native", "batched", "reference")
 
@@ -49,10 +50,10 @@ class PagedAttention:
         if backend not in BACKENDS:
             raise ValueError(f"attention backend: one of {BACKENDS}, got {backend!r}")
         self.storage = storage
-        self.kernel: PagedDecodeKernel | None = None
+        self.kernels: CpuKernels | None = None
         if backend == "native":
-            self.kernel = paged_decode_kernel()
-            backend = "native" if self.kernel else "batched"
+            self.kernels = cpu_kernels()
+            backend = "native" if self.kernels else "batched"
         self.backend = backend  # the one in use
         self._ctx: StepContext | None = None
 
@@ -113,8 +114,9 @@ class PagedAttention:
     def _attend_decodes(self, layer_id: int, q: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """q [S, H, D] (one query per sequence) -> [S, H, D], with padded K/V gathers."""
         k_pool, v_pool = self.storage.k[layer_id], self.storage.v[layer_id]
-        if self.kernel is not None and self.kernel.supports(q, k_pool, v_pool):
-            return self.kernel(q, k_pool, v_pool, ctx.decode_tables, ctx.decode_lens)
+        kernels = self.kernels
+        if kernels is not None and kernels.paged_decode_supports(q, k_pool, v_pool):
+            return kernels.paged_decode(q, k_pool, v_pool, ctx.decode_tables, ctx.decode_lens)
         k = self.storage.k[layer_id][ctx.decode_tables].flatten(1, 2)  # [S, L, H_kv, D]
         v = self.storage.v[layer_id][ctx.decode_tables].flatten(1, 2)
         o = F.scaled_dot_product_attention(

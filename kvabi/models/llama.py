@@ -14,6 +14,7 @@ from torch import nn
 
 from kvabi.models.attention import AttentionFn
 from kvabi.models.config import ModelConfig
+from kvabi.models.cpu_kernels import CpuKernels
 from kvabi.models.packed_linear import PackedLinear
 from kvabi.models.rope import RotaryEmbedding, apply_rope
 
@@ -47,6 +48,7 @@ class SelfAttention(nn.Module):
         self.sizes = [q_size, kv_size, kv_size]
         self.qkv: PackedLinear | None = None  # set by fuse(): q, k and v in one GEMM
         self.out: PackedLinear | None = None
+        self.kernels: CpuKernels | None = None  # set by LlamaModel.use_kernels
 
     def fuse(self, pack: bool) -> None:
         if self.qkv is None:
@@ -57,14 +59,20 @@ class SelfAttention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        if self.qkv is not None:  # one GEMM instead of three
+        if self.qkv is not None and self.kernels is not None:
+            qkv = self.qkv(x)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+            rotated = qkv[:, : self.sizes[0] + self.sizes[1]]  # q and k: one in-place pass
+            self.kernels.rope_(rotated.view(num_tokens, -1, self.head_dim), cos, sin)
+            q, k, v = qkv.split(self.sizes, dim=-1)
+        elif self.qkv is not None:  # one GEMM instead of three
             q, k, v = self.qkv(x).split(self.sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.kernels is None or self.qkv is None:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attn(self.layer_id, q, k, v)  # [num_tokens, num_heads, head_dim]
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)
         return self.o_proj(out) if self.out is None else self.out(out)
@@ -79,6 +87,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
         self.gate_up: PackedLinear | None = None  # set by fuse(): gate and up in one GEMM
         self.down: PackedLinear | None = None
+        self.kernels: CpuKernels | None = None  # set by LlamaModel.use_kernels
 
     def fuse(self, pack: bool) -> None:
         if self.gate_up is None:
@@ -88,6 +97,8 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None or self.down is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.kernels is not None:
+            return self.down(self.kernels.silu_and_mul(self.gate_up(x)))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
 
@@ -115,12 +126,19 @@ class DecoderLayer(nn.Module):
         self.self_attn = SelfAttention(config, layer_id)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config)
+        self.kernels: CpuKernels | None = None  # set by LlamaModel.use_kernels
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.kernels is None:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        # Fused: the residual stream x is updated in place (it is this forward's own tensor).
+        norm1, norm2, k = self.input_layernorm, self.post_attention_layernorm, self.kernels
+        h = k.rms_norm(x, norm1.weight, norm1.eps)
+        h = k.rms_norm(self.self_attn(h, cos, sin, attn), norm2.weight, norm2.eps, residual=x)
+        return x.add_(self.mlp(h))
 
 
 class LlamaModel(nn.Module):
@@ -163,6 +181,13 @@ class LlamaModel(nn.Module):
         if self.logits is None:
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             self.logits = PackedLinear(weight, None, pack)
+        return self
+
+    def use_kernels(self, kernels: CpuKernels | None) -> LlamaModel:
+        """Run RMSNorm (+ residual add), RoPE and SiLU-and-mul through the fused CPU kernels
+        (None: the plain torch ops). RoPE and SiLU are fused only once projections are fused."""
+        for layer in self.layers:
+            layer.kernels = layer.self_attn.kernels = layer.mlp.kernels = kernels
         return self
 
     @property

@@ -22,3 +22,22 @@ def test_fused_projections_keep_outputs_and_the_state_dict(tmp_path):
         qkv = model.layers[0].self_attn.qkv.weight
         k_weight = model.layers[0].self_attn.k_proj.weight  # a view into the fused weight
         assert k_weight.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()
+
+
+def test_fused_cpu_kernels_keep_the_model_outputs():
+    from kvabi.models.cpu_kernels import cpu_kernels
+    from tests.engine.tiny import tiny_loaded
+
+    kernels = cpu_kernels()
+    assert kernels is not None
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tiny_loaded(dtype=dtype).model.fuse_projections()
+        ids = random_ids(12)
+        with torch.inference_mode():
+            before = model(ids, torch.arange(12), ContiguousAttention(TINY["num_hidden_layers"]))
+            model.use_kernels(kernels)
+            after = model(ids, torch.arange(12), ContiguousAttention(TINY["num_hidden_layers"]))
+            model.use_kernels(None)
+        scale = before.abs().max().item()  # fp32: float rounding only; bf16: rare ulp flips
+        tol = (1e-5 if dtype == torch.float32 else 0.05) * scale
+        torch.testing.assert_close(after, before, atol=tol, rtol=0)

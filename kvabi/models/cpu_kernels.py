@@ -1,0 +1,196 @@
+"""Build and load the C++ CPU kernels next to this file (`cpu_kernels.cpp`), called via ctypes.
+
+They are compiled on first use with the system C++ compiler for this machine's CPU
+(`-O3 -march=native -fopenmp`, about 2 s) into a cache folder keyed by the source, the flags and
+the CPU's feature flags (`$KVABI_KERNEL_CACHE`, default `~/.cache/kvabi/kernels`). No compiler, a
+failed build or an unsupported input means the torch path runs instead: `cpu_kernels()`
+returns None and `kernel_status()` says why.
+
+OpenMP: torch ships its own `libgomp.so.1` and loads it first; the kernel links against the same
+soname, so the dynamic loader gives it torch's runtime and there is one thread pool, not two.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_status: list[str] = ["not built yet"]
+
+
+def kernel_status() -> str:
+    """Why the kernel is or is not in use ("loaded from ..." or the build failure)."""
+    return _status[0]
+
+
+def _cpu_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((line for line in text.splitlines() if line.startswith("flags")), "")
+
+
+def _build() -> Path:
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise OSError("no C++ compiler (g++/c++) on PATH")
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + " ".join((compiler, *FLAGS)).encode() + _cpu_flags().encode()
+    ).hexdigest()[:16]
+    root = Path(os.environ.get("KVABI_KERNEL_CACHE", Path.home() / ".cache/kvabi/kernels"))
+    target = root / key / "cpu_kernels.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        cmd = [compiler, *FLAGS, str(SOURCE), "-o", str(built)]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if result.returncode != 0:
+            raise OSError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
+        os.replace(built, target)  # atomic: concurrent builders never see half a file
+    return target
+
+
+def _supported(*tensors: torch.Tensor) -> bool:
+    dtype = tensors[0].dtype
+    return dtype in DTYPE_CODES and all(
+        t.dtype == dtype and t.device.type == "cpu" for t in tensors
+    )
+
+
+class CpuKernels:
+    """The compiled kernels. Each method checks what it can take (`*_supports`); callers keep
+    the torch path for anything else. float32 and bfloat16 only."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i64, ptr, c_int, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+        signatures = {
+            "kvabi_paged_decode": [c_int, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr]
+            + [i64, c_int, c_int, c_int, c_float, c_int],
+            "kvabi_rms_norm": [c_int, ptr, i64, ptr, ptr, ptr, i64, i64, c_float, c_int],
+            "kvabi_silu_and_mul": [c_int, ptr, ptr, i64, i64, c_int],
+            "kvabi_rope": [c_int, ptr, i64, i64, i64, i64, ptr, ptr, c_int],
+        }
+        self._fns = {}
+        for name, argtypes in signatures.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+            self._fns[name] = fn
+
+    def _call(self, name: str, *args: object) -> None:
+        code = self._fns[name](*args, torch.get_num_threads())
+        if code != 0:
+            raise RuntimeError(f"{name} failed with code {code}")
+
+    @staticmethod
+    def paged_decode_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        return (
+            _supported(q, k, v)
+            and k.stride() == v.stride()
+            and k.stride(-1) == 1
+            and q.shape[1] % k.shape[2] == 0
+        )
+
+    def paged_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attention of one query token per sequence over its paged K/V, read in place.
+
+        q [S, H, D]; k, v: canonical pool views [num_blocks, block_size, H_kv, D] with equal
+        strides and a contiguous last axis; tables [S, W] int64 (entries past a sequence's
+        context are never read); context_lens [S] int64. Softmax scale 1/sqrt(D). -> [S, H, D]
+        """
+        q, tables, lens = q.contiguous(), tables.contiguous(), context_lens.contiguous()
+        out = torch.empty_like(q)
+        num_seqs, num_heads, head_dim = q.shape
+        self._call(
+            "kvabi_paged_decode",
+            DTYPE_CODES[q.dtype],
+            q.data_ptr(),
+            out.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            *k.stride()[:3],
+            k.shape[1],
+            tables.data_ptr(),
+            tables.shape[1],
+            lens.data_ptr(),
+            num_seqs,
+            num_heads,
+            k.shape[2],
+            head_dim,
+            head_dim**-0.5,
+        )
+        return out
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """HF's RMSNorm of x [rows, n] -> [rows, n]. With `residual` (contiguous, same shape),
+        first `residual += x` in place, then normalise the sum (the fused residual add)."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        rows, n = x.shape
+        out = torch.empty(rows, n, dtype=x.dtype)
+        res = 0 if residual is None else residual.data_ptr()
+        args = (x.data_ptr(), x.stride(0), res, weight.contiguous().data_ptr(), out.data_ptr())
+        self._call("kvabi_rms_norm", DTYPE_CODES[x.dtype], *args, rows, n, eps)
+        return out
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, 2n] = gate | up -> silu(gate) * up [rows, n]."""
+        x = x.contiguous()
+        rows, n = x.shape[0], x.shape[1] // 2
+        out = torch.empty(rows, n, dtype=x.dtype)
+        self._call(
+            "kvabi_silu_and_mul", DTYPE_CODES[x.dtype], x.data_ptr(), out.data_ptr(), rows, n
+        )
+        return out
+
+    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate x [tokens, heads, head_dim] in place (HF rotate_half pairing); heads and
+        head_dim must be contiguous (any token stride); cos/sin [tokens, head_dim]."""
+        tokens, heads, head_dim = x.shape
+        if x.stride(2) != 1 or x.stride(1) != head_dim:
+            raise ValueError(f"rope_: heads and head_dim must be contiguous, strides {x.stride()}")
+        cos, sin = cos.contiguous(), sin.contiguous()
+        args = (x.data_ptr(), x.stride(0), tokens, heads, head_dim, cos.data_ptr(), sin.data_ptr())
+        self._call("kvabi_rope", DTYPE_CODES[x.dtype], *args)
+
+
+@functools.cache
+def cpu_kernels() -> CpuKernels | None:
+    """The compiled kernels, or None where they cannot be built here (see `kernel_status`)."""
+    if os.environ.get("KVABI_NO_KERNELS"):
+        _status[0] = "disabled by KVABI_NO_KERNELS"
+        return None
+    try:
+        path = _build()
+        kernels = CpuKernels(ctypes.CDLL(str(path)))
+    except (OSError, subprocess.SubprocessError) as err:
+        _status[0] = f"unavailable: {err}"
+        return None
+    _status[0] = f"loaded from {path}"
+    return kernels

@@ -1,0 +1,136 @@
+"""Each fused CPU kernel against its plain-torch reference (the path the model takes without it)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvabi.models.cpu_kernels import cpu_kernels, kernel_status
+from kvabi.models.llama import RMSNorm
+from kvabi.models.rope import apply_rope
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    # The suite runs where a C++ compiler exists (llama-cpp-python is built from source too);
+    # a build failure here is a defect, not a reason to fall back silently.
+    k = cpu_kernels()
+    assert k is not None, kernel_status()
+    return k
+
+
+def check(got: torch.Tensor, want: torch.Tensor) -> None:
+    """bf16: the kernels reproduce torch's roundings, so the bits agree; float32: FMA
+    contraction and summation order differ, within a few ulps."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if got.dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+
+
+def torch_decode(q, k, v, tables, lens):
+    """The padded gather + SDPA path of the `batched` backend, in float32."""
+    block_size = k.shape[1]
+    kk, vv = k[tables].flatten(1, 2).float(), v[tables].flatten(1, 2).float()  # [S, L, Hkv, D]
+    mask = torch.arange(tables.shape[1] * block_size)[None, :] < lens[:, None]
+    out = F.scaled_dot_product_attention(
+        q.float().unsqueeze(2),
+        kk.transpose(1, 2),
+        vv.transpose(1, 2),
+        attn_mask=mask[:, None, None, :],
+        enable_gqa=True,
+    )
+    return out.squeeze(2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["nhd", "hnd"])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "block_size", "dim"), [(9, 3, 16, 64), (4, 4, 1, 32), (8, 2, 5, 128)]
+)
+def test_paged_decode_equals_the_torch_path(
+    kernels, dtype, layout, heads, kv_heads, block_size, dim
+):
+    gen = torch.Generator().manual_seed(heads * block_size)
+    num_blocks = 40
+    if layout == "nhd":  # K and V on a leading axis, canonical [block, slot, head, dim] views
+        kv = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+        k, v = kv[0], kv[1]
+    else:
+        kv = torch.randn(2, num_blocks, kv_heads, block_size, dim, generator=gen).to(dtype)
+        k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+    lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size, 7])
+    width = int(-(-lens.max() // block_size))
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in lens])
+    q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
+    assert kernels.paged_decode_supports(q, k, v)
+    got = kernels.paged_decode(q, k, v, tables, lens)
+    assert got.dtype == dtype and got.shape == q.shape
+    want = torch_decode(q, k, v, tables, lens)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    else:  # the float32 result rounded once to bf16, within an ulp of torch's rounding
+        torch.testing.assert_close(got.float(), want.to(dtype).float(), atol=1e-2, rtol=1e-2)
+
+
+def test_paged_decode_never_reads_past_the_context(kernels):
+    # Table entries past a sequence's context point at a block full of NaN: a read would show.
+    k = torch.randn(4, 4, 1, 8)
+    v = torch.randn(4, 4, 1, 8)
+    k[3], v[3] = float("nan"), float("nan")
+    k[0, 2:], v[0, 2:] = float("nan"), float("nan")  # slots after the context in its last block
+    tables = torch.tensor([[1, 0, 3]])
+    out = kernels.paged_decode(torch.randn(1, 2, 8), k, v, tables, torch.tensor([6]))
+    assert torch.isfinite(out).all()
+
+
+def test_paged_decode_refuses_what_it_cannot_read(kernels):
+    q = torch.randn(2, 4, 8)
+    k = torch.randn(3, 4, 2, 8)
+    assert not kernels.paged_decode_supports(q.half(), k.half(), k.half())  # fp16: torch path
+    assert not kernels.paged_decode_supports(q, k, k.transpose(0, 1))  # strides differ
+    assert not kernels.paged_decode_supports(torch.randn(2, 3, 8), k, k)  # 3 heads on 2 KV heads
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_the_fused_residual_add_equal_hf_rmsnorm(kernels, dtype):
+    gen = torch.Generator().manual_seed(1)
+    x, residual = (torch.randn(7, 96, generator=gen).to(dtype) * 3 for _ in range(2))
+    norm = RMSNorm(96, 1e-5)
+    norm.weight.data = torch.randn(96, generator=gen).to(dtype)
+    with torch.inference_mode():
+        check(kernels.rms_norm(x, norm.weight, norm.eps), norm(x))
+        updated = residual.clone()
+        got = kernels.rms_norm(x, norm.weight, norm.eps, residual=updated)
+        assert torch.equal(updated, residual + x)  # the residual stream, updated in place
+        check(got, norm(residual + x))
+        strided = torch.randn(7, 200, generator=gen).to(dtype)[:, 10:106]  # a row-strided input
+        check(kernels.rms_norm(strided, norm.weight, norm.eps), norm(strided))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_equals_torch(kernels, dtype):
+    gate_up = torch.randn(5, 2 * 48, generator=torch.Generator().manual_seed(2)).to(dtype) * 6
+    gate, up = gate_up.chunk(2, dim=-1)
+    got, want = kernels.silu_and_mul(gate_up), F.silu(gate) * up
+    if dtype == torch.bfloat16:  # exp differs from libm's by an ulp of float32: rare bf16 flips
+        torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=8e-3)
+    else:
+        check(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_in_place_equals_apply_rope_on_a_strided_qkv_slice(kernels, dtype):
+    gen = torch.Generator().manual_seed(3)
+    tokens, heads, dim = 6, 5, 16
+    qkv = torch.randn(tokens, (heads + 2) * dim, generator=gen).to(dtype)  # q|k rotated, v not
+    cos, sin = (torch.randn(tokens, dim, generator=gen).to(dtype) for _ in range(2))
+    want = apply_rope(qkv[:, : heads * dim].reshape(tokens, heads, dim), cos, sin)
+    v_before = qkv[:, heads * dim :].clone()
+    kernels.rope_(qkv[:, : heads * dim].view(tokens, heads, dim), cos, sin)
+    check(qkv[:, : heads * dim].reshape(tokens, heads, dim), want)
+    assert torch.equal(qkv[:, heads * dim :], v_before)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.rope_(torch.randn(4, 3, 8).transpose(0, 1), cos[:3, :8], sin[:3, :8])
