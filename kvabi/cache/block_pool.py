@@ -1,57 +1,166 @@
-"""`BlockPool`: fixed-size KV blocks by integer id, with ref counts and an O(1) free list.
+"""`BlockPool`: fixed-size KV blocks by id, with ref counts, an O(1) free queue that doubles as
+the eviction order, and the prefix cache's index of full blocks by block hash (vLLM v1's design).
 
-Pure bookkeeping over ids; the tensors live in `KVStorage`. A block is free when its ref count
-is 0. Allocation takes from the front of the free queue and freeing appends to the back, so the
-least recently freed block is reused first (the order the prefix cache will evict in).
+Pure bookkeeping over ids; the tensors live in `KVStorage`. A block is free when its ref count is
+0. A free block is either *empty* (no hash: nothing worth keeping) or *cached* (a full block
+indexed by its hash, reusable by any request whose prompt has that block).
+
+Eviction order, which `allocate` follows and the tests pin:
+1. empty blocks, least recently freed first;
+2. cached blocks, least recently used first. A sequence's blocks are freed tail first, so within
+   a chain the tail goes before its head (a tail is reachable only through its head). `demote`
+   moves blocks to the front of this queue (an idle session's blocks go first).
+Taking a cached block out of the queue to reuse its memory evicts it: its hash leaves the index
+and, when `record_evictions` is on, it is reported by `pop_evicted` so the caller can write its
+data down a tier before anything overwrites it.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 
 class NoFreeBlocksError(RuntimeError):
     """Raised when an allocation asks for more blocks than are free (callers check first)."""
 
 
+@dataclass(frozen=True)
+class BlockKey:
+    """What a cached block holds: its chained block hash and its own tokens."""
+
+    block_hash: bytes
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class EvictedBlock:
+    """A cached block whose memory was taken for reuse; its data is intact until the next step."""
+
+    block_id: int
+    key: BlockKey
+
+
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, record_evictions: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.record_evictions = record_evictions
         self.ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self.keys: list[BlockKey | None] = [None] * num_blocks  # set while a block is cached
+        self.num_evictions = 0
+        self._by_hash: dict[bytes, int] = {}
+        self._empty: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: OrderedDict[int, None] = OrderedDict()  # free cached blocks, LRU first
+        self._evicted: list[EvictedBlock] = []
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._empty) + len(self._cached)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks indexed by hash, held or free."""
+        return len(self._by_hash)
+
+    @property
+    def num_free_cached(self) -> int:
+        return len(self._cached)
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self.num_free
 
     def allocate(self, n: int) -> list[int]:
-        """Take `n` free blocks (ref count 1 each)."""
-        if n > len(self._free):
-            raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
-        ids = [self._free.popleft() for _ in range(n)]
-        for i in ids:
-            self.ref_counts[i] = 1
+        """Take `n` free blocks (ref count 1 each) in eviction order; cached ones are evicted."""
+        if n > self.num_free:
+            raise NoFreeBlocksError(f"asked for {n} blocks, {self.num_free} free")
+        ids = []
+        for _ in range(n):
+            queue = self._empty if self._empty else self._cached
+            block_id, _ = queue.popitem(last=False)
+            self._evict(block_id)
+            self.ref_counts[block_id] = 1
+            ids.append(block_id)
         return ids
 
-    def share(self, block_ids: list[int]) -> None:
-        """Add a reference to each block (a forked sequence reads the same blocks)."""
+    def share(self, block_ids: Iterable[int]) -> None:
+        """Add a reference to each held block (a forked sequence reads the same blocks)."""
         for i in block_ids:
             if self.ref_counts[i] < 1:
                 raise ValueError(f"block {i} is free; only held blocks can be shared")
             self.ref_counts[i] += 1
 
-    def free(self, block_ids: list[int]) -> None:
-        """Drop one reference to each block; blocks reaching 0 return to the free queue.
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Add a reference to each cached block, taking free ones out of the queue (a hit)."""
+        for i in block_ids:
+            if self.keys[i] is None:
+                raise ValueError(f"block {i} is not cached; only cached blocks can be touched")
+            if self.ref_counts[i] == 0:
+                del self._cached[i]
+            self.ref_counts[i] += 1
 
-        Freed in reverse so a sequence's tail blocks are reused before its head blocks."""
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference to each block, tail first; blocks reaching 0 join the free queue."""
         for i in reversed(block_ids):
             if self.ref_counts[i] < 1:
                 raise ValueError(f"block {i} freed twice")
             self.ref_counts[i] -= 1
             if self.ref_counts[i] == 0:
-                self._free.append(i)
+                (self._empty if self.keys[i] is None else self._cached)[i] = None
+
+    def num_free_of(self, block_ids: Iterable[int]) -> int:
+        """How many of these blocks are free (a hit on them takes them out of the free queue)."""
+        return sum(1 for i in block_ids if self.ref_counts[i] == 0)
+
+    def is_writable(self, block_id: int) -> bool:
+        """Whether a sequence holding this block may write into it: sole owner, not cached."""
+        return self.ref_counts[block_id] == 1 and self.keys[block_id] is None
+
+    def cache_block(self, block_id: int, key: BlockKey) -> bool:
+        """Index a held, full block by its hash; False (not indexed) when another block already
+        holds that hash or this block is already indexed."""
+        if self.ref_counts[block_id] < 1:
+            raise ValueError(f"block {block_id} is free; only held blocks can be cached")
+        if key.block_hash in self._by_hash or self.keys[block_id] is not None:
+            return False
+        self.keys[block_id] = key
+        self._by_hash[key.block_hash] = block_id
+        return True
+
+    def cached_block(self, block_hash: bytes) -> int | None:
+        """The block holding this hash, if any."""
+        return self._by_hash.get(block_hash)
+
+    def demote(self, block_ids: Iterable[int]) -> None:
+        """Move free cached blocks to the front of the eviction order, keeping their given order
+        (pass a chain head first: its tail ends up first to go)."""
+        for i in block_ids:
+            if i in self._cached:
+                self._cached.move_to_end(i, last=False)
+
+    def pop_evicted(self) -> list[EvictedBlock]:
+        """The cached blocks evicted since the last call, in eviction order."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
+    def drop_cached(self) -> int:
+        """Forget every free cached block (they become empty); return how many."""
+        dropped = list(self._cached)
+        self._cached.clear()
+        for i in dropped:
+            del self._by_hash[self.keys[i].block_hash]
+            self.keys[i] = None
+            self._empty[i] = None
+        return len(dropped)
+
+    def _evict(self, block_id: int) -> None:
+        key = self.keys[block_id]
+        if key is None:
+            return
+        del self._by_hash[key.block_hash]
+        self.keys[block_id] = None
+        self.num_evictions += 1
+        if self.record_evictions:
+            self._evicted.append(EvictedBlock(block_id, key))

@@ -7,9 +7,12 @@ The layout is data: any attention preset works (e.g. `vllm-flash-attn` = NHD blo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kvabi.abi.buffers import CacheBuffers, group_views
+from kvabi.abi.convert import convert
 from kvabi.abi.descriptor import ATTN, Descriptor
 
 
@@ -55,3 +58,29 @@ class KVStorage:
         k = self.k[layer_id][block_table].flatten(0, 1)[:num_tokens]
         v = self.v[layer_id][block_table].flatten(0, 1)[:num_tokens]
         return k, v
+
+    # Whole blocks, for the prefix cache and its tiers (copy on write, write-down, load back).
+    # All go through the ABI's one conversion path; between equal layouts it is a strided copy.
+
+    def read_blocks(self, block_ids: Sequence[int]) -> CacheBuffers:
+        """A copy of these blocks in this storage's layout (block i of it is `block_ids[i]`)."""
+        n = len(block_ids) * self.block_size
+        return convert(self.buffers, self.desc, num_tokens=n, src_block_ids=block_ids)
+
+    def write_blocks(self, cache: CacheBuffers, block_ids: Sequence[int]) -> None:
+        """Place `cache`'s first `len(block_ids)` blocks' worth of tokens (any layout of this
+        model) into `block_ids`, converting on the way."""
+        n = len(block_ids) * self.block_size
+        convert(cache, self.desc, num_tokens=n, dst_block_ids=block_ids, out=self.buffers)
+
+    def copy_blocks(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        """Copy whole blocks `src_ids[i]` -> `dst_ids[i]` (copy on write)."""
+        n = len(src_ids) * self.block_size
+        convert(
+            self.buffers,
+            self.desc,
+            num_tokens=n,
+            src_block_ids=src_ids,
+            dst_block_ids=dst_ids,
+            out=self.buffers,
+        )

@@ -2,6 +2,12 @@
 
 `add_request` validates and queues; `step` schedules, runs the model once over the paged cache,
 samples, applies stop rules and returns what changed. `abort` frees a request's blocks.
+
+With the prefix cache (on by default) full blocks stay indexed by block hash after their request
+ends, so later requests reuse them; with lower tiers configured (`EngineConfig.tiers`) blocks
+the pool evicts are written down and found again there. A request's `session` keeps its
+conversation: when the session's last request ends its blocks are demoted (written down and
+put first in the pool's eviction order). `cache_stats()` reports it all.
 """
 
 from __future__ import annotations
@@ -15,7 +21,11 @@ from kvabi.abi.buffers import buffer_specs
 from kvabi.abi.descriptor import ATTN, Descriptor, LayerSpec, ModelSpec
 from kvabi.abi.presets import PRESETS, preset_descriptor
 from kvabi.cache.block_pool import BlockPool
+from kvabi.cache.cache_stats import CacheStats, flat_stats
 from kvabi.cache.kv_storage import KVStorage
+from kvabi.cache.prefix_cache import PrefixCache
+from kvabi.cache.tier_config import TierConfig
+from kvabi.cache.tiered_cache import TieredCache
 from kvabi.engine.outputs import RequestOutput, request_output
 from kvabi.engine.paged_attention import PagedAttention
 from kvabi.engine.runner import ModelRunner
@@ -37,9 +47,13 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # default: the model's context length
-    attention_backend: str = "batched"
+    attention_backend: str = "native"  # native, batched or reference (paged_attention.py)
+    enable_prefix_caching: bool = True
+    tiers: TierConfig = TierConfig()  # host / disk / Redis below the pool; default: none
 
     def __post_init__(self) -> None:
+        if self.tiers.is_enabled and not self.enable_prefix_caching:
+            raise ValueError("tiers: lower tiers hold cached blocks; enable_prefix_caching")
         name = KV_LAYOUTS.get(self.kv_layout, self.kv_layout)
         if name not in PRESETS or not PRESETS[name].layout.is_paged:
             raise ValueError(f"kv_layout: 'nhd', 'hnd' or a paged preset, got {self.kv_layout!r}")
@@ -72,14 +86,26 @@ class LLMEngine:
         self.loaded, self.config, self.tokenizer = loaded, config, loaded.tokenizer
         self.info = self._start(loaded, config, fingerprint)
         self.storage = KVStorage(self.info.descriptor, self.info.num_blocks)
-        self.pool = BlockPool(self.info.num_blocks)
+        self.pool = BlockPool(self.info.num_blocks, record_evictions=config.tiers.is_enabled)
+        self.stats = CacheStats()
+        self.prefix = None
+        if config.enable_prefix_caching:
+            digest = self.info.descriptor.model.compat_digest()
+            self.prefix = PrefixCache(self.pool, config.block_size, digest)
+        self.tiers = None
+        if config.tiers.is_enabled:
+            self.tiers = TieredCache.build(config.tiers, self.prefix, self.storage)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
             self.pool,
             config.block_size,
+            self.prefix,
+            self.stats,
         )
+        self._sessions: dict[str, int] = {}  # live requests per session
         attention = PagedAttention(self.storage, config.attention_backend)
-        self.runner = ModelRunner(loaded.model.fuse_projections(), attention)
+        model = loaded.model.fuse_projections().use_kernels(attention.kernels)
+        self.runner = ModelRunner(model, attention)
         self.requests: dict[str, list[Sequence]] = {}
         self._ids = itertools.count()
 
@@ -111,6 +137,8 @@ class LLMEngine:
         seq = self._new_seq(request_id, 0, ids, params)
         self.requests[request_id] = [seq]
         self.scheduler.add(seq)
+        if params.session is not None:
+            self._sessions[params.session] = self._sessions.get(params.session, 0) + 1
         return request_id
 
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -150,13 +178,21 @@ class LLMEngine:
         return self.scheduler.has_work
 
     def abort(self, request_id: str) -> None:
-        for seq in self.requests.pop(request_id, []):
+        seqs = self.requests.pop(request_id, [])
+        for seq in seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
+        if seqs:
+            self._end_request(seqs)
 
     def step(self) -> list[RequestOutput]:
         """One scheduler step; returns the requests that progressed (finished ones last time)."""
+        self._promote_waiting()
         batch = self.scheduler.schedule()
+        if self.tiers is not None:
+            self.tiers.write_down_evicted()  # before the copies and the forward overwrite them
+        if batch.copies:
+            self.storage.copy_blocks([c.src for c in batch.copies], [c.dst for c in batch.copies])
         if not batch.seqs:
             return []
         logits = self.runner.run(batch)
@@ -164,8 +200,57 @@ class LLMEngine:
         outputs = [request_output(r, self.requests[r]) for r in touched]
         for out in outputs:
             if out.finished:
-                del self.requests[out.request_id]
+                self._end_request(self.requests.pop(out.request_id))
         return outputs
+
+    def cache_stats(self) -> dict[str, float]:
+        """Prefix cache and tier metrics as flat `name -> value` (kvabi/cache/cache_stats.py)."""
+        tiers = self.tiers.tiers if self.tiers else []
+        writer = self.tiers.writer if self.tiers else None
+        block_bytes = self.storage.buffers.num_bytes // self.storage.num_blocks
+        return flat_stats(self.stats, self.pool, block_bytes, tiers, writer)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget the pool's unreferenced cached blocks (lower tiers keep theirs); return how
+        many were dropped."""
+        return self.pool.drop_cached()
+
+    def flush_tiers(self) -> None:
+        """Wait until every queued write-down has reached the lower tiers."""
+        if self.tiers is not None:
+            self.tiers.flush()
+
+    def close(self) -> None:
+        """Finish queued write-downs and release the tiers (their connections and thread)."""
+        if self.tiers is not None:
+            self.tiers.close()
+
+    def _promote_waiting(self) -> None:
+        """Load from the lower tiers what the next admissible waiting requests will reuse."""
+        if self.tiers is None:
+            return
+        room = self.config.max_num_seqs - len(self.scheduler.running)
+        for seq in self.scheduler.waiting[: max(room, 0)]:
+            if not seq.is_promoted:
+                seq.is_promoted = True
+                self.tiers.promote(self.scheduler.block_keys(seq))
+
+    def _end_request(self, seqs: list[Sequence]) -> None:
+        """A request left; when it was its session's last, demote the session's blocks."""
+        session = seqs[0].params.session
+        if session is None:
+            return
+        self._sessions[session] -= 1
+        if self._sessions[session] > 0:
+            return
+        del self._sessions[session]
+        if self.prefix is None:
+            return
+        hashes = list(dict.fromkeys(h for s in seqs for h in s.block_hashes[: s.num_cached_blocks]))
+        if self.tiers is not None:
+            self.tiers.demote(hashes)
+        else:
+            self.pool.demote(self.prefix.pooled_blocks(hashes))
 
     def _postprocess(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[str]:
         touched: dict[str, None] = {}
@@ -173,6 +258,7 @@ class LLMEngine:
         argmax = logits.argmax(dim=-1).tolist()  # one call for every greedy row of the step
         for s in batch.seqs:
             s.seq.num_computed = s.start + s.num_tokens
+            self.scheduler.cache_computed(s.seq)
             if not s.samples:
                 continue
             if s.seq.params.n > 1 and not s.seq.output_ids and s.seq.index == 0:
@@ -187,14 +273,16 @@ class LLMEngine:
         return list(touched)
 
     def _fork(self, parent: Sequence, logits: torch.Tensor) -> None:
-        """n > 1: children share the parent's full prompt blocks and recompute the rest."""
-        full = parent.num_computed // self.config.block_size
+        """n > 1: children share all of the parent's prompt blocks; whoever first writes into
+        the shared last block gets a copy of it (copy on write)."""
         for index in range(1, parent.params.n):
             child = self._new_seq(parent.request_id, index, parent.prompt_ids, parent.params)
             child.arrival = parent.arrival
-            child.block_ids = parent.block_ids[:full]
+            child.block_ids = list(parent.block_ids)
             self.pool.share(child.block_ids)
-            child.num_computed = full * self.config.block_size
+            child.num_computed = parent.num_computed
+            child.block_hashes, child.hash_root = list(parent.block_hashes), parent.hash_root
+            child.num_cached_blocks, child.is_counted = parent.num_cached_blocks, True
             self.requests[parent.request_id].append(child)
             self._append(child, *sample(logits, child.params, child.generator))
             if not child.is_finished:

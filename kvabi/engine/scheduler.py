@@ -5,6 +5,13 @@ needs (1 token when decoding, the rest of its prompt when prefilling, cut to the
 waiting sequences are admitted oldest first while the budget, `max_num_seqs` and free blocks
 allow. When a running sequence needs a block and none is free, the newest running sequence is
 preempted: its blocks are freed and it goes back to the waiting queue, to be recomputed later.
+
+With a prefix cache, admitting a sequence first matches its full blocks against the pool by
+block hash: matched blocks are shared (ref counts up) and only the rest is prefilled; blocks
+a step fills are indexed (`cache_computed`) so later requests find them. A sequence about to
+write into a block it does not own alone (shared with a fork, or cached: a full-prompt hit
+recomputes its last token) first gets a private copy: the batch lists these copies
+(`BlockCopy`) and the engine makes them before the forward.
 Pure Python over ids; the one object handed to the runner is `ScheduledBatch`.
 """
 
@@ -13,7 +20,9 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from kvabi.cache.block_pool import BlockPool
+from kvabi.cache.block_pool import BlockKey, BlockPool
+from kvabi.cache.cache_stats import CacheStats
+from kvabi.cache.prefix_cache import NO_MATCH, MatchResult, PrefixCache
 from kvabi.engine.sequence import SeqStatus, Sequence
 
 
@@ -44,9 +53,18 @@ class ScheduledSeq:
 
 
 @dataclass(frozen=True)
+class BlockCopy:
+    """Copy block `src` into block `dst` before the step's forward (copy on write)."""
+
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True)
 class ScheduledBatch:
     seqs: tuple[ScheduledSeq, ...]
     preempted: tuple[Sequence, ...]
+    copies: tuple[BlockCopy, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -54,16 +72,26 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        pool: BlockPool,
+        block_size: int,
+        prefix: PrefixCache | None = None,
+        stats: CacheStats | None = None,
+    ) -> None:
         self.config = config
         self.pool = pool
         self.block_size = block_size
+        self.prefix = prefix  # None: no prefix caching
+        self.stats = stats or CacheStats()
         self.waiting: list[Sequence] = []  # sorted by arrival
         self.running: list[Sequence] = []  # sorted by arrival
         self.num_preemptions = 0
+        self._copies: list[BlockCopy] = []
 
     def add(self, seq: Sequence) -> None:
-        seq.status = SeqStatus.WAITING
+        seq.status, seq.is_promoted = SeqStatus.WAITING, False
         bisect.insort(self.waiting, seq, key=lambda s: s.arrival)
 
     def add_running(self, seq: Sequence) -> None:
@@ -79,6 +107,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
+        self._copies = []
         for seq in list(self.running):
             if seq.status != SeqStatus.RUNNING or budget == 0:
                 continue
@@ -89,15 +118,17 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            if not self.pool.can_allocate(self._blocks_needed(seq, n)) or preempted:
+            hit = self._match(seq)
+            n = min(seq.num_tokens - hit.num_cached_tokens, budget)
+            if preempted or not self._can_admit(hit, n):
                 break  # admit nothing while memory is short: it would only be preempted again
             self.waiting.pop(0)
+            self._admit(seq, hit)
             self._allocate(seq, n)
             self.add_running(seq)
             scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
             budget -= n
-        return ScheduledBatch(tuple(scheduled), tuple(preempted))
+        return ScheduledBatch(tuple(scheduled), tuple(preempted), tuple(self._copies))
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
@@ -107,6 +138,53 @@ class Scheduler:
             self.waiting.remove(seq)
         self.pool.free(seq.block_ids)
         seq.block_ids = []
+
+    def cache_computed(self, seq: Sequence) -> None:
+        """Index the sequence's blocks that are now full and computed (after a step)."""
+        full = min(seq.num_computed // self.block_size, len(seq.block_ids))
+        if self.prefix is None or full <= seq.num_cached_blocks:
+            return
+        hashes = self.block_hashes(seq)
+        self.prefix.cache_blocks(
+            seq.block_ids, hashes, seq.token_ids(), seq.num_cached_blocks, full
+        )
+        seq.num_cached_blocks = full
+
+    def block_hashes(self, seq: Sequence) -> list[bytes]:
+        """The chained hashes of the sequence's full blocks (computed once, extended as it
+        grows); the root binds the model and the request's cache salt."""
+        if self.prefix is None:
+            raise ValueError("block hashes need the prefix cache (enable_prefix_caching)")
+        if seq.hash_root is None:
+            salt = seq.params.cache_salt
+            seq.hash_root = self.prefix.root(None if salt is None else {"cache_salt": salt})
+        tokens = seq.token_ids()
+        if len(seq.block_hashes) < len(tokens) // self.block_size:
+            self.prefix.extend_hashes(seq.block_hashes, seq.hash_root, tokens)
+        return seq.block_hashes
+
+    def block_keys(self, seq: Sequence) -> list[BlockKey]:
+        """Each full block's key (hash and tokens): what the lower tiers are searched for."""
+        return self.prefix.keys(self.block_hashes(seq), seq.token_ids())
+
+    def _match(self, seq: Sequence) -> MatchResult:
+        if self.prefix is None:
+            return NO_MATCH
+        return self.prefix.match(self.block_hashes(seq), seq.num_tokens)
+
+    def _can_admit(self, hit: MatchResult, n: int) -> bool:
+        copy = 1 if hit.num_cached_tokens % self.block_size else 0  # a partly reused block
+        new = -(-(hit.num_cached_tokens + n) // self.block_size) - len(hit.block_ids) + copy
+        return new + self.pool.num_free_of(hit.block_ids) <= self.pool.num_free
+
+    def _admit(self, seq: Sequence, hit: MatchResult) -> None:
+        self.pool.touch(hit.block_ids)
+        seq.block_ids = list(hit.block_ids)
+        seq.num_computed = hit.num_cached_tokens
+        seq.num_cached_blocks = len(hit.block_ids)
+        if not seq.is_counted:
+            self.stats.record_query(seq.params.tag, seq.num_tokens, hit.num_cached_tokens)
+            seq.is_counted = True
 
     def _reserve(self, seq: Sequence, n: int, preempted: list[Sequence]) -> bool:
         while not self.pool.can_allocate(self._blocks_needed(seq, n)):
@@ -121,13 +199,32 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.pool.free(seq.block_ids)
-        seq.block_ids, seq.num_computed = [], 0
+        seq.block_ids, seq.num_computed, seq.num_cached_blocks = [], 0, 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)
 
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
-        return -(-(seq.num_computed + n) // self.block_size) - len(seq.block_ids)
+        total = -(-(seq.num_computed + n) // self.block_size)
+        return total - len(seq.block_ids) + self._needs_copy(seq)
+
+    def _needs_copy(self, seq: Sequence) -> bool:
+        """Whether the next token's block is one the sequence may not write (shared, cached)."""
+        i = seq.num_computed // self.block_size
+        return i < len(seq.block_ids) and not self.pool.is_writable(seq.block_ids[i])
 
     def _allocate(self, seq: Sequence, n: int) -> None:
+        if self._needs_copy(seq):
+            self._copy_on_write(seq)
         seq.block_ids += self.pool.allocate(max(self._blocks_needed(seq, n), 0))
+
+    def _copy_on_write(self, seq: Sequence) -> None:
+        """Swap the block about to be written for a private copy. The source is released at
+        once: even if reused this step, the engine copies before anything writes."""
+        i = seq.num_computed // self.block_size
+        src = seq.block_ids[i]
+        (dst,) = self.pool.allocate(1)
+        self._copies.append(BlockCopy(src, dst))
+        seq.block_ids[i] = dst
+        self.pool.free([src])
+        self.stats.num_cow_copies += 1

@@ -40,6 +40,15 @@ class Sequence:
     finish_reason: str | None = None
     text: str = ""
     num_preemptions: int = 0
+    # Prefix cache (scheduler): the chained hashes of its full blocks, their root (model and
+    # cache salt), how many leading blocks are indexed in the pool, whether its lookup was
+    # counted (once, at first admission) and whether the lower tiers were searched since it
+    # last started waiting.
+    block_hashes: list[bytes] = field(default_factory=list)
+    hash_root: bytes | None = None
+    num_cached_blocks: int = 0
+    is_counted: bool = False
+    is_promoted: bool = False
 
     @property
     def num_tokens(self) -> int:

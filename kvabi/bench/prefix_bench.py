@@ -1,0 +1,341 @@
+"""`kvabi bench prefix`: the prefix cache and its tiers on seeded workloads, bundled model.
+
+1. TTFT: a 1k-token cached prefix + a 32-token suffix, against the same request after the pool
+   forgot the prefix (same engine, `reset_prefix_cache`): the ratio (target >= 4x).
+2. RAG (`prefix_workload.rag_trace`), one request at a time: hit rate beside an infinite cache's
+   on the same trace (the ceiling), prefill tokens saved, wall time with and without the cache.
+3. Chat: sessions of several turns with think time, so they interleave, in a pool too small for
+   all of them: hit rate with the pool alone and with a host tier (idle sessions demoted), vs
+   the ceiling.
+4. Resume: a 2k-token conversation continued from host RAM, and from disk after an engine
+   restart (warm start), against re-prefilling it (the same tokens under a fresh cache salt).
+5. Capacity: the RAG trace replayed through the engine's own scheduler and pool (no model) for
+   pool sizes up to where the ceiling is reached: a PNG of hit rate against capacity.
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvabi.bench.prefix_workload import (
+    ChatTurn,
+    RagShape,
+    capacity_curve,
+    ceiling_hit_tokens,
+    chat_schedule,
+    corpus_slicer,
+    rag_trace,
+    replay_hit_rate,
+)
+from kvabi.bench.report import print_table, write_json
+from kvabi.bench.throughput import WORDS
+from kvabi.cache.tier_config import TierConfig
+from kvabi.engine.engine import EngineConfig, LLMEngine
+from kvabi.engine.sampling_params import SamplingParams
+from kvabi.models.registry import LoadedModel
+
+BLOCK_SIZE = 16
+DEFAULT_PLOT = "out/bench/prefix_hit_rate.png"
+
+
+@dataclass(frozen=True)
+class Sizes:
+    repeats: int
+    rag: RagShape
+    rag_pool_blocks: int
+    chat_sessions: int
+    chat_turns: int
+    chat_pool_blocks: int
+    chat_answer_len: int
+    chat_user_len: int = 48
+    chat_think_s: float = 4.0
+    resume_tokens: int = 2048
+    ttft_prefix: int = 1024
+    ttft_suffix: int = 32
+
+
+QUICK = Sizes(1, RagShape(12, 16, 96), 40, 5, 3, 24, 6)
+FULL = Sizes(3, RagShape(64, 48, 160), 192, 10, 5, 96, 16)
+
+
+def run(quick: bool, json_path: str | None, plot_path: str | None = DEFAULT_PLOT) -> dict:
+    from kvabi.interop.model_spec import gguf_fingerprint
+    from kvabi.models.registry import load_model, resolve_model
+
+    sizes = QUICK if quick else FULL
+    loaded = load_model(dtype="bf16", progress=False)
+    bench = _Bench(loaded, gguf_fingerprint(resolve_model(None).path), sizes)
+    figures = bench.ttft() | bench.rag() | bench.chat() | bench.resume()
+    figures |= bench.capacity(plot_path)
+    _print(figures)
+    write_json(json_path, figures)
+    return figures
+
+
+class _Bench:
+    def __init__(self, loaded: LoadedModel, fingerprint: str, sizes: Sizes) -> None:
+        self.loaded, self.fingerprint, self.sizes = loaded, fingerprint, sizes
+        rng = random.Random(0)
+        text = " ".join(rng.choice(WORDS) for _ in range(20000))
+        self.corpus = loaded.tokenizer.encode(text, add_special_tokens=False)
+        self.take = corpus_slicer(self.corpus, random.Random(1))
+        self.rag_trace: list[list[int]] = []
+        self.rag_hit_rate = 0.0
+
+    def engine(self, num_blocks: int, **config: object) -> LLMEngine:
+        config = {"max_num_batched_tokens": 4096, "block_size": BLOCK_SIZE} | config
+        return LLMEngine(
+            self.loaded, EngineConfig(num_blocks=num_blocks, **config), self.fingerprint
+        )
+
+    def ttft(self) -> dict:
+        s = self.sizes
+        engine = self.engine(512)
+        prefix = self.take(s.ttft_prefix)
+        _ttft(engine, prefix + self.take(s.ttft_suffix))  # fills the cache, warms up
+        cached = min(_ttft(engine, prefix + self.take(s.ttft_suffix)) for _ in range(s.repeats + 2))
+        uncached = []
+        for _ in range(s.repeats + 1):
+            engine.reset_prefix_cache()
+            uncached.append(_ttft(engine, prefix + self.take(s.ttft_suffix)))
+        return {
+            "ttft_prefix_tokens": s.ttft_prefix,
+            "ttft_suffix_tokens": s.ttft_suffix,
+            "ttft_cached_s": cached,
+            "ttft_uncached_s": min(uncached),
+            "ttft_ratio": min(uncached) / cached,
+        }
+
+    def rag(self) -> dict:
+        s = self.sizes
+        self.rag_trace = trace = rag_trace(self.corpus, s.rag, seed=2)
+        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, tag="rag")
+        cached = self.engine(s.rag_pool_blocks)
+        uncached = self.engine(s.rag_pool_blocks, enable_prefix_caching=False)
+        cached_s, uncached_s = _run_alternating(cached, uncached, trace, params)
+        stats = cached.cache_stats()
+        ceiling, queried = ceiling_hit_tokens(trace, BLOCK_SIZE)
+        self.rag_hit_rate = hit_rate = stats["tag_rag_hit_rate"]
+        return {
+            "rag_requests": len(trace),
+            "rag_prompt_tokens": stats["tag_rag_query_tokens"],
+            "rag_pool_blocks": s.rag_pool_blocks,
+            "rag_hit_rate": hit_rate,
+            "rag_ceiling_hit_rate": ceiling / queried,
+            "rag_hit_vs_ceiling_ratio": hit_rate * queried / ceiling if ceiling else 0.0,
+            "rag_replay_hit_rate": replay_hit_rate(trace, s.rag_pool_blocks, BLOCK_SIZE, 2),
+            "rag_prefill_tokens_saved": stats["tag_rag_saved_tokens"],
+            "rag_cached_s": cached_s,
+            "rag_uncached_s": uncached_s,
+            "rag_speedup_ratio": uncached_s / cached_s,
+        }
+
+    def chat(self) -> dict:
+        s = self.sizes
+        schedule = chat_schedule(s.chat_sessions, s.chat_turns, s.chat_think_s, seed=3)
+        system = self.take(64)
+        user = {(t.session, t.turn): self.take(s.chat_user_len) for t in schedule}
+        out: dict = {"chat_turns": len(schedule), "chat_pool_blocks": s.chat_pool_blocks}
+        for name, tiers in (("pool", TierConfig()), ("host", TierConfig(host_bytes=2**30))):
+            engine = self.engine(s.chat_pool_blocks, tiers=tiers)
+            prompts = _chat(engine, schedule, system, user, s.chat_answer_len)
+            stats = engine.cache_stats()
+            engine.close()
+            out[f"chat_{name}_hit_rate"] = stats["tag_chat_hit_rate"]
+        out["chat_host_loaded_tokens"] = stats["tier_host_hit_tokens"]
+        ceiling, queried = ceiling_hit_tokens(prompts, BLOCK_SIZE)
+        out["chat_ceiling_hit_rate"] = ceiling / queried
+        out["chat_host_vs_ceiling_ratio"] = out["chat_host_hit_rate"] / out["chat_ceiling_hit_rate"]
+        return out
+
+    def resume(self) -> dict:
+        s = self.sizes
+        conversation = self.take(s.resume_tokens)
+        with tempfile.TemporaryDirectory() as tmp:
+            tiers = TierConfig(host_bytes=2**30, disk_dir=tmp)
+            engine = self.engine(2 * s.resume_tokens // BLOCK_SIZE, tiers=tiers)
+            params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, session="c")
+            turn = conversation + _generate(engine, conversation, params) + self.take(32)
+            engine.flush_tiers()  # the idle session's blocks are in host RAM and on disk
+            host = _resumed(engine, turn, s.repeats)
+            host_hits = engine.cache_stats()["tier_host_hit_tokens"]
+            engine.close()
+            restarted = self.engine(
+                2 * s.resume_tokens // BLOCK_SIZE, tiers=TierConfig(disk_dir=tmp)
+            )
+            disk = _resumed(restarted, turn, s.repeats)
+            disk_hits = restarted.cache_stats()["tier_disk_hit_tokens"]
+            prefill = min(_ttft(restarted, turn, f"cold-{i}") for i in range(s.repeats))
+            restarted.close()
+        return {
+            "resume_tokens": len(turn),
+            "resume_prefill_s": prefill,
+            "resume_host_s": host,
+            "resume_disk_s": disk,
+            "resume_host_hit_tokens": host_hits / s.repeats,
+            "resume_disk_hit_tokens": disk_hits / s.repeats,
+            "resume_host_ratio": prefill / host,
+            "resume_disk_ratio": prefill / disk,
+        }
+
+    def capacity(self, plot_path: str | None) -> dict:
+        ceiling, queried = ceiling_hit_tokens(self.rag_trace, BLOCK_SIZE)
+        capacities, rates = capacity_curve(self.rag_trace, BLOCK_SIZE, 2)
+        if plot_path:
+            measured = (self.sizes.rag_pool_blocks, self.rag_hit_rate)
+            _plot(capacities, rates, ceiling / queried, measured, plot_path)
+        return {"capacity_blocks": capacities, "capacity_hit_rates": rates, "plot": plot_path}
+
+
+def _chat(
+    engine: LLMEngine,
+    schedule: list[ChatTurn],
+    system: list[int],
+    user: dict[tuple[int, int], list[int]],
+    answer_len: int,
+) -> list[list[int]]:
+    """Run the turns in arrival order, each session's history growing by prompt and answer;
+    return the prompts."""
+    history: dict[int, list[int]] = {}
+    prompts = []
+    for t in schedule:
+        prompt = history.get(t.session, system) + user[(t.session, t.turn)]
+        params = SamplingParams(
+            max_tokens=answer_len,
+            temperature=0,
+            ignore_eos=True,
+            session=f"s{t.session}",
+            tag="chat",
+        )
+        history[t.session] = prompt + _generate(engine, prompt, params)
+        prompts.append(prompt)
+    return prompts
+
+
+def _generate(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> list[int]:
+    rid = engine.add_request(prompt, params)
+    while True:
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                return list(out.outputs[0].token_ids)
+
+
+def _ttft(engine: LLMEngine, prompt: list[int], salt: str | None = None) -> float:
+    """Seconds from submission to the first token (the request asks for one)."""
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, cache_salt=salt)
+    start = time.perf_counter()
+    _generate(engine, prompt, params)
+    return time.perf_counter() - start
+
+
+def _resumed(engine: LLMEngine, turn: list[int], repeats: int) -> float:
+    """TTFT of `turn` with the pool emptied first: its prefix comes from the lower tiers."""
+    times = []
+    for _ in range(repeats):
+        engine.reset_prefix_cache()
+        times.append(_ttft(engine, turn))
+    return min(times)
+
+
+def _run_alternating(
+    a: LLMEngine, b: LLMEngine, trace: list[list[int]], params: SamplingParams
+) -> tuple[float, float]:
+    """Each request on engine a, then on engine b, one at a time: their seconds in total.
+    Alternating keeps a noisy host's slow phases from landing on one side only."""
+    seconds = [0.0, 0.0]
+    for prompt in trace:
+        for i, engine in enumerate((a, b)):
+            start = time.perf_counter()
+            _generate(engine, prompt, params)
+            seconds[i] += time.perf_counter() - start
+    return seconds[0], seconds[1]
+
+
+def _plot(
+    capacities: list[int],
+    rates: list[float],
+    ceiling: float,
+    measured: tuple[int, float],
+    path: str,
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.semilogx(capacities, rates, "o-", base=2, label="prefix cache (replayed trace)")
+    ax.axhline(ceiling, linestyle="--", color="grey", label="infinite cache (ceiling)")
+    ax.plot(*measured, "s", color="tab:orange", label="engine run with the model")
+    ax.set(xlabel=f"pool capacity (blocks of {BLOCK_SIZE} tokens)", ylabel="hit rate (tokens)")
+    ax.set_ylim(0, 1)
+    ax.set_title("RAG workload: hit rate against pool capacity")
+    ax.legend(loc="lower right")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _print(f: dict) -> None:
+    print_table(
+        f"TTFT: {f['ttft_prefix_tokens']}-token cached prefix + "
+        f"{f['ttft_suffix_tokens']}-token suffix",
+        ["figure", "value"],
+        [
+            ["cached s", f["ttft_cached_s"]],
+            ["uncached s", f["ttft_uncached_s"]],
+            ["ratio", f["ttft_ratio"]],
+        ],
+    )
+    print_table(
+        f"RAG: {f['rag_requests']} requests, {f['rag_pool_blocks']}-block pool",
+        ["figure", "value"],
+        [
+            ["hit rate", f["rag_hit_rate"]],
+            ["ceiling (infinite cache)", f["rag_ceiling_hit_rate"]],
+            ["hit / ceiling", f["rag_hit_vs_ceiling_ratio"]],
+            ["replayed hit rate (no model)", f["rag_replay_hit_rate"]],
+            ["prefill tokens saved", int(f["rag_prefill_tokens_saved"])],
+            ["wall s cached / uncached", f"{f['rag_cached_s']:.2f} / {f['rag_uncached_s']:.2f}"],
+            ["speedup", f["rag_speedup_ratio"]],
+        ],
+    )
+    print_table(
+        f"Chat: {f['chat_turns']} turns of interleaved sessions, "
+        f"{f['chat_pool_blocks']}-block pool",
+        ["figure", "value"],
+        [
+            ["hit rate, pool only", f["chat_pool_hit_rate"]],
+            ["hit rate, pool + host tier", f["chat_host_hit_rate"]],
+            ["tokens loaded from host", int(f["chat_host_loaded_tokens"])],
+            ["ceiling (infinite cache)", f["chat_ceiling_hit_rate"]],
+        ],
+    )
+    print_table(
+        f"Resume a {f['resume_tokens']}-token conversation (TTFT)",
+        ["from", "seconds", "tokens loaded", "vs re-prefill"],
+        [
+            ["re-prefill", f["resume_prefill_s"], 0, 1.0],
+            [
+                "host RAM",
+                f["resume_host_s"],
+                int(f["resume_host_hit_tokens"]),
+                f["resume_host_ratio"],
+            ],
+            [
+                "disk (restart)",
+                f["resume_disk_s"],
+                int(f["resume_disk_hit_tokens"]),
+                f["resume_disk_ratio"],
+            ],
+        ],
+    )
+    rows = list(zip(f["capacity_blocks"], f["capacity_hit_rates"], strict=True))
+    print_table("RAG hit rate against pool capacity (replayed)", ["blocks", "hit rate"], rows)
+    if f["plot"]:
+        print(f"\nplot written to {f['plot']}")

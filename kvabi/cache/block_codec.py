@@ -1,0 +1,52 @@
+"""`BlockCodec`: one cached block <-> its tier entry, an ABI container of that block alone.
+
+An entry is a container (docs/ABI.md, section 5) whose token ids are the block's `block_size`
+tokens, whose block hashes are `[the block's chained hash]` and whose one block of K/V is in the
+writer's own layout. Decoding verifies every checksum, that the entry is of this model (compat
+digest), and that it is the block asked for (hash and tokens), before a byte is used; an entry
+in another layout of the same model decodes too and is converted when it is placed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvabi.abi.buffers import CacheBuffers, buffer_specs
+from kvabi.abi.descriptor import Descriptor
+from kvabi.cache.block_pool import BlockKey
+from kvabi.wire import FormatError, container_bytes, read_container
+
+
+class BlockCodec:
+    def __init__(self, desc: Descriptor) -> None:
+        self.desc = desc
+
+    def encode(self, blocks: CacheBuffers, index: int, key: BlockKey) -> bytes:
+        """The entry of block `index` of `blocks` (a snapshot in this codec's layout)."""
+        one = {
+            s.key: blocks.tensors[s.key].narrow(s.axes.index("B"), index, 1)
+            for s in buffer_specs(blocks.desc, blocks.extent)
+        }
+        return container_bytes(CacheBuffers(blocks.desc, one), key.token_ids, [key.block_hash])
+
+    def decode(self, entry: bytes | bytearray, key: BlockKey) -> CacheBuffers:
+        """The block's K/V, in the entry's layout; raises a `KvabiError` (checksum, format,
+        another model, another block) rather than return anything unverified."""
+        container = read_container(entry, expect=self.desc.model)
+        if container.block_hashes != [key.block_hash]:
+            raise FormatError(f"entry holds hashes {container.block_hashes!r:.80}, not the block")
+        if tuple(container.token_ids) != key.token_ids:
+            raise FormatError("entry holds other tokens than the block its hash names")
+        return container.cache
+
+
+def stack_blocks(caches: Sequence[CacheBuffers]) -> CacheBuffers:
+    """One cache of the given paged caches' blocks, in order (all of one paged descriptor)."""
+    desc = caches[0].desc
+    tensors = {
+        s.key: torch.cat([c.tensors[s.key] for c in caches], dim=s.axes.index("B"))
+        for s in buffer_specs(desc, 1)
+    }
+    return CacheBuffers(desc, tensors)

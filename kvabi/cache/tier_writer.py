@@ -1,0 +1,87 @@
+"""`TierWriter`: writes blocks down the tiers on a background thread; the step loop never waits.
+
+The step loop first reserves room (`reserve`), then hands over a snapshot (a copy of the blocks,
+taken before their memory is reused) and their keys; the thread encodes each block as a
+container entry once and puts it into every tier that lacks it. The queue is bounded in bytes of
+snapshots: blocks beyond the bound are dropped before anything is copied, and counted. A lost
+write-down costs a later recompute, never a wrong answer.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+
+from kvabi.abi.buffers import CacheBuffers
+from kvabi.cache.block_codec import BlockCodec
+from kvabi.cache.block_pool import BlockKey
+from kvabi.cache.tier import KVTier
+
+_STOP = None
+
+
+class TierWriter:
+    def __init__(self, tiers: Sequence[KVTier], codec: BlockCodec, max_queued_bytes: int):
+        self.tiers = list(tiers)
+        self.codec = codec
+        self.max_queued_bytes = max_queued_bytes
+        self.num_queued_bytes = 0
+        self.num_dropped_blocks = 0
+        self.num_errors = 0
+        self._is_closed = False
+        self._queue: queue.Queue[tuple[CacheBuffers, list[BlockKey], int] | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="kvabi-tier-writer", daemon=True)
+        self._thread.start()
+
+    def reserve(self, num_blocks: int, block_bytes: int) -> int:
+        """Room for how many of `num_blocks` blocks (the leading ones); the rest are dropped."""
+        with self._lock:
+            room = (self.max_queued_bytes - self.num_queued_bytes) // block_bytes
+            room = 0 if self._is_closed else room
+            taken = max(min(num_blocks, room), 0)
+            self.num_queued_bytes += taken * block_bytes
+            self.num_dropped_blocks += num_blocks - taken
+        return taken
+
+    def submit(self, blocks: CacheBuffers, keys: list[BlockKey], num_bytes: int) -> None:
+        """Queue a snapshot of `len(keys)` blocks whose `num_bytes` were reserved."""
+        self._queue.put((blocks, keys, num_bytes))
+
+    def flush(self) -> None:
+        """Wait until everything queued so far is written (tests, benches, shutdown)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Write what is queued, then stop the thread (later blocks are dropped)."""
+        with self._lock:
+            self._is_closed = True
+        if self._thread.is_alive():
+            self._queue.put(_STOP)
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is _STOP:
+                    return
+                self._write(item[0], item[1])
+            except Exception:  # a failed write-down must never stop the thread
+                self.num_errors += 1
+            finally:
+                if item is not _STOP:
+                    with self._lock:
+                        self.num_queued_bytes -= item[2]
+                self._queue.task_done()
+
+    def _write(self, blocks: CacheBuffers, keys: list[BlockKey]) -> None:
+        hashes = [k.block_hash for k in keys]
+        missing = [[not p for p in tier.contains_many(hashes)] for tier in self.tiers]
+        for i, key in enumerate(keys):
+            targets = [t for t, m in zip(self.tiers, missing, strict=True) if m[i]]
+            if targets:
+                entry = self.codec.encode(blocks, i, key)
+                for tier in targets:
+                    tier.put(key.block_hash, entry)

@@ -1,0 +1,74 @@
+from kvabi.abi.block_hash import hash_blocks, root_hash
+from kvabi.cache.block_pool import BlockPool
+from kvabi.cache.prefix_cache import NO_MATCH, MatchResult, PrefixCache
+
+DIGEST = "0273b6b1e5590f4c68ab2e1a6b4ed70a"
+TOKENS = list(range(100, 110))  # 10 tokens: 2 full blocks of 4 and a partial one
+
+
+def cache_with_chain(tokens, salt=None, num_blocks=8):
+    """A pool whose blocks 0, 1, ... hold the full blocks of `tokens`, all free and cached."""
+    prefix = PrefixCache(BlockPool(num_blocks), 4, DIGEST)
+    root = prefix.root(None if salt is None else {"cache_salt": salt})
+    hashes: list[bytes] = []
+    prefix.extend_hashes(hashes, root, tokens)
+    ids = prefix.pool.allocate(len(hashes))
+    prefix.cache_blocks(ids, hashes, tokens, 0, len(ids))
+    prefix.pool.free(ids)
+    return prefix, root
+
+
+def hashes_of(prefix, root, tokens):
+    out: list[bytes] = []
+    prefix.extend_hashes(out, root, tokens)
+    return out
+
+
+def test_hashes_are_the_abi_chain_and_extend_incrementally():
+    prefix = PrefixCache(BlockPool(1), 4, DIGEST)
+    root = prefix.root({"cache_salt": "tenant-a"})
+    assert root == root_hash(DIGEST, {"cache_salt": "tenant-a"})
+    assert prefix.root({"cache_salt": "tenant-a"}) is root  # memoised
+    hashes: list[bytes] = []
+    prefix.extend_hashes(hashes, root, TOKENS[:5])
+    assert len(hashes) == 1
+    prefix.extend_hashes(hashes, root, TOKENS)  # the sequence grew
+    assert hashes == hash_blocks(TOKENS, 4, root)
+    keys = prefix.keys(hashes, TOKENS)
+    assert [k.token_ids for k in keys] == [(100, 101, 102, 103), (104, 105, 106, 107)]
+
+
+def test_match_returns_the_longest_pooled_run_with_exact_block_ids():
+    prefix, root = cache_with_chain(TOKENS)
+    longer = TOKENS + [7, 7, 7]
+    assert prefix.match(hashes_of(prefix, root, longer), len(longer)) == MatchResult(8, (0, 1))
+    diverged = TOKENS[:4] + [0] + TOKENS[5:]  # second block differs: the run stops there
+    assert prefix.match(hashes_of(prefix, root, diverged), 10) == MatchResult(4, (0,))
+    other = [1] + TOKENS[1:]  # the first block differs: every later hash differs too
+    assert prefix.match(hashes_of(prefix, root, other), 10) == NO_MATCH
+
+
+def test_a_fully_cached_prompt_leaves_its_last_token_to_compute():
+    prefix, root = cache_with_chain(TOKENS)
+    exact = TOKENS[:8]  # both full blocks cached: recompute token 7 in a copy of block 1
+    assert prefix.match(hashes_of(prefix, root, exact), 8) == MatchResult(7, (0, 1))
+    one = TOKENS[:4]
+    assert prefix.match(hashes_of(prefix, root, one), 4) == MatchResult(3, (0,))
+
+
+def test_a_cache_salt_changes_every_hash_so_tenants_never_share():
+    prefix, root = cache_with_chain(TOKENS, salt="tenant-a")
+    plain = hashes_of(prefix, prefix.root(), TOKENS)
+    other = hashes_of(prefix, prefix.root({"cache_salt": "tenant-b"}), TOKENS)
+    same = hashes_of(prefix, prefix.root({"cache_salt": "tenant-a"}), TOKENS)
+    assert prefix.match(plain, 10) == NO_MATCH and prefix.match(other, 10) == NO_MATCH
+    assert prefix.match(same, 10) == MatchResult(8, (0, 1))
+    assert not set(plain) & set(same)
+
+
+def test_pooled_blocks_follows_the_given_order_and_skips_evicted():
+    prefix, root = cache_with_chain(TOKENS)
+    hashes = hashes_of(prefix, root, TOKENS)
+    assert prefix.pooled_blocks(hashes) == [0, 1] and prefix.num_pooled(hashes) == 2
+    prefix.pool.allocate(prefix.pool.num_free - 1)  # evicts block 1 (the tail) first
+    assert prefix.pooled_blocks(hashes) == [0] and prefix.num_pooled(hashes) == 1

@@ -1,0 +1,166 @@
+"""Block entries (encode, verify, convert), the write-down thread and loading back into a pool."""
+
+import threading
+
+import pytest
+import torch
+
+from kvabi.abi.descriptor import ATTN, LayerSpec, ModelSpec
+from kvabi.abi.errors import IncompatibleError
+from kvabi.abi.presets import preset_descriptor
+from kvabi.cache.block_codec import BlockCodec
+from kvabi.cache.block_pool import BlockKey, BlockPool
+from kvabi.cache.host_tier import HostTier
+from kvabi.cache.kv_storage import KVStorage
+from kvabi.cache.prefix_cache import PrefixCache
+from kvabi.cache.tier_config import TierConfig
+from kvabi.cache.tier_writer import TierWriter
+from kvabi.cache.tiered_cache import TieredCache
+from kvabi.wire import ChecksumError, FormatError, TruncatedError
+
+MODEL = ModelSpec((LayerSpec(ATTN, 2, 8, 8),) * 2, "tiny")
+DESC = preset_descriptor("vllm-flash-attn", MODEL, block_size=4, dtype="f32")
+TOKENS = list(range(50, 62))  # 3 full blocks
+
+
+def filled_storage(desc=DESC, num_blocks=6, seed=0) -> KVStorage:
+    storage = KVStorage(desc, num_blocks)
+    gen = torch.Generator().manual_seed(seed)
+    for t in storage.buffers.tensors.values():
+        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+    return storage
+
+
+def chain_keys(prefix: PrefixCache) -> list[BlockKey]:
+    hashes: list[bytes] = []
+    prefix.extend_hashes(hashes, prefix.root(), TOKENS)
+    return prefix.keys(hashes, TOKENS)
+
+
+def same_block(a: KVStorage, a_id: int, b: KVStorage, b_id: int) -> bool:
+    return all(
+        torch.equal(a.k[i][a_id].float(), b.k[i][b_id].float())
+        and torch.equal(a.v[i][a_id].float(), b.v[i][b_id].float())
+        for i in range(len(a.k))
+    )
+
+
+def test_an_entry_round_trips_and_loads_into_another_layout():
+    src = filled_storage()
+    key = BlockKey(b"\x01" * 32, (1, 2, 3, 4))
+    codec = BlockCodec(DESC)
+    entry = codec.encode(src.read_blocks([4, 2]), 1, key)  # block 2
+    hnd = preset_descriptor("vllm-flash-attn-hnd", MODEL, block_size=4, dtype="f32")
+    dst = KVStorage(hnd, 3)
+    dst.write_blocks(BlockCodec(hnd).decode(entry, key), [1])
+    assert same_block(src, 2, dst, 1) and not same_block(src, 4, dst, 1)
+
+
+def flip(entry: bytes, at: int) -> bytes:
+    return entry[:at] + bytes([entry[at] ^ 1]) + entry[at + 1 :]
+
+
+@pytest.mark.parametrize(
+    "damage, error",
+    [
+        (lambda e, k: (e, BlockKey(b"\x02" * 32, k.token_ids)), FormatError),
+        (lambda e, k: (e, BlockKey(k.block_hash, (1, 2, 3, 5))), FormatError),
+        (lambda e, k: (e[:-100], k), TruncatedError),
+        (lambda e, k: (flip(e, len(e) // 2), k), ChecksumError),  # a payload byte
+    ],
+)
+def test_an_entry_that_is_not_exactly_the_block_asked_for_is_refused(damage, error):
+    key = BlockKey(b"\x01" * 32, (1, 2, 3, 4))
+    entry = BlockCodec(DESC).encode(filled_storage().read_blocks([0]), 0, key)
+    entry, key = damage(entry, key)
+    with pytest.raises(error):
+        BlockCodec(DESC).decode(entry, key)
+
+
+def test_an_entry_of_another_model_is_refused():
+    key = BlockKey(b"\x01" * 32, (1, 2, 3, 4))
+    entry = BlockCodec(DESC).encode(filled_storage().read_blocks([0]), 0, key)
+    other = preset_descriptor("vllm-flash-attn", ModelSpec(MODEL.layers, "other"), block_size=4)
+    with pytest.raises(IncompatibleError, match="fingerprint"):
+        BlockCodec(other).decode(entry, key)
+
+
+class GatedTier(HostTier):
+    """A host tier whose writes wait for a gate: the writer thread stalls, the queue fills."""
+
+    def __init__(self) -> None:
+        super().__init__(1 << 20)
+        self.gate = threading.Event()
+
+    def put(self, block_hash: bytes, entry: bytes) -> None:
+        self.gate.wait(10)
+        super().put(block_hash, entry)
+
+
+def test_the_writer_never_blocks_and_drops_what_its_queue_cannot_hold():
+    tier = GatedTier()
+    storage = filled_storage()
+    keys = [BlockKey(bytes([i]) * 32, (i, i, i, i)) for i in range(4)]
+    writer = TierWriter([tier], BlockCodec(DESC), max_queued_bytes=250)
+    assert writer.reserve(2, 100) == 2  # room for 2 blocks of 100 bytes
+    writer.submit(storage.read_blocks([0, 1]), keys[:2], 200)
+    assert writer.reserve(2, 100) == 0  # full: dropped at once, nothing copied
+    assert (writer.num_queued_bytes, writer.num_dropped_blocks) == (200, 2)
+    tier.gate.set()
+    writer.flush()
+    assert tier.lru_order() == [keys[0].block_hash, keys[1].block_hash]
+    assert writer.reserve(3, 100) == 2  # the leading two fit
+    writer.submit(storage.read_blocks([0, 3]), [keys[0], keys[3]], 200)
+    writer.close()
+    assert (tier.stats.writes, writer.num_queued_bytes, writer.num_dropped_blocks) == (3, 0, 3)
+    assert tier.lru_order() == [k.block_hash for k in (keys[0], keys[1], keys[3])]  # 0 kept
+
+
+def tiered(num_blocks=6) -> TieredCache:
+    storage = filled_storage(num_blocks=num_blocks, seed=1)
+    prefix = PrefixCache(BlockPool(num_blocks, record_evictions=True), 4, MODEL.compat_digest())
+    return TieredCache(TierConfig(host_bytes=1 << 20), prefix, storage, [HostTier(1 << 20)])
+
+
+def write_chain(cache: TieredCache, keys: list[BlockKey]) -> list[int]:
+    """Blocks 0, 1, 2 hold the chain: computed, indexed, freed, then written down."""
+    ids = cache.pool.allocate(3)
+    for block_id, key in zip(ids, keys, strict=True):
+        cache.pool.cache_block(block_id, key)
+    cache.pool.free(ids)
+    cache.demote([k.block_hash for k in keys])
+    cache.flush()
+    return ids
+
+
+def test_promote_loads_the_run_after_the_pooled_prefix_into_exact_blocks():
+    cache = tiered()
+    keys = chain_keys(cache.prefix)
+    reference = filled_storage(num_blocks=6, seed=1)  # what blocks 0..2 held
+    write_chain(cache, keys)
+    assert cache.pool.allocate(6) == [3, 4, 5, 2, 1, 0]  # demoted: the chain's tail first
+    assert [e.block_id for e in cache.pool.pop_evicted()] == [2, 1, 0]
+    for t in cache.storage.buffers.tensors.values():
+        t.zero_()  # their memory was reused and overwritten
+    for block_ids in ([5], [1], [3], [0, 2, 4]):
+        cache.pool.free(block_ids)  # empty queue: 5, 1, 3, 4, 2, 0
+    assert cache.promote(keys) == 12
+    assert [cache.pool.cached_block(k.block_hash) for k in keys] == [5, 1, 3]
+    assert all(same_block(reference, i, cache.storage, b) for i, b in enumerate([5, 1, 3]))
+    assert cache.pool.num_free == 6 and cache.tiers[0].stats.hit_tokens == 12
+    assert cache.promote(keys) == 0  # all pooled now: nothing to load
+
+
+def test_a_corrupt_entry_is_a_miss_removed_and_the_load_stops_before_it():
+    cache = tiered()
+    keys = chain_keys(cache.prefix)
+    write_chain(cache, keys)
+    cache.pool.drop_cached()
+    host = cache.tiers[0]
+    good = host.get_many([keys[1].block_hash])[0]
+    host.remove(keys[1].block_hash)
+    host.put(keys[1].block_hash, good[:-64] + bytes(64))  # a damaged copy of block 1
+    assert cache.promote(keys) == 4  # block 0 only: the chain breaks at block 1
+    assert host.contains_many([k.block_hash for k in keys]) == [True, False, True]
+    assert (host.stats.corrupt, host.stats.hit_tokens) == (1, 4)
+    assert cache.prefix.num_pooled([k.block_hash for k in keys]) == 1

@@ -1,0 +1,102 @@
+"""Each tier: capacity, its own LRU (exact order), faults. Entries are opaque bytes here."""
+
+import time
+
+import pytest
+
+from kvabi.cache.disk_tier import DiskTier
+from kvabi.cache.host_tier import HostTier
+from kvabi.cache.redis_tier import RedisTier
+from tests.cache.redis_server import redis_server  # noqa: F401 - a fixture
+
+DIGEST_A, DIGEST_B = "a" * 32, "b" * 32
+
+
+def h(i: int) -> bytes:
+    return bytes([i]) * 32
+
+
+def test_host_tier_keeps_the_most_recent_entries_within_capacity():
+    tier = HostTier(300)
+    for i in range(3):
+        tier.put(h(i), bytes([i]) * 100)
+    assert tier.get_many([h(0), h(9)]) == [bytes([0]) * 100, None]  # 0 is now most recent
+    tier.put(h(3), bytes(100))  # over capacity: the least recent (1) goes
+    assert tier.lru_order() == [h(2), h(0), h(3)]
+    assert tier.contains_many([h(1), h(2)]) == [False, True]
+    tier.put(h(4), bytes(301))  # could never fit: ignored
+    tier.remove(h(2))
+    assert (tier.num_bytes, tier.num_blocks) == (200, 2)
+    assert (tier.stats.writes, tier.stats.evictions, tier.stats.write_bytes) == (4, 1, 400)
+
+
+def test_disk_tier_survives_a_restart_with_its_lru_order(tmp_path):
+    tier = DiskTier(tmp_path, 300, DIGEST_A)
+    for i in range(3):
+        tier.put(h(i), bytes([i]) * 100)
+    assert tier.get_many([h(0)]) == [bytes([0]) * 100]  # 0 is now most recent
+    again = DiskTier(tmp_path, 300, DIGEST_A)  # a restarted engine: warm start
+    assert (again.num_blocks, again.num_bytes) == (3, 300)
+    again.put(h(3), bytes(100))  # evicts 1, the least recent before the restart
+    assert again.contains_many([h(0), h(1), h(2), h(3)]) == [True, False, True, True]
+    assert sorted(p.name[:4] for p in again.dir.iterdir()) == ["0000", "0202", "0303"]
+    assert again.stats.evictions == 1
+
+
+def test_disk_tier_keeps_models_apart_and_clears_interrupted_writes(tmp_path):
+    DiskTier(tmp_path, 1000, DIGEST_A).put(h(1), b"model a")
+    (tmp_path / DIGEST_A / ".half-written.tmp").write_bytes(b"x")
+    (tmp_path / DIGEST_A / "notes.txt").write_bytes(b"x")
+    other = DiskTier(tmp_path, 1000, DIGEST_B)
+    assert other.contains_many([h(1)]) == [False] and other.get_many([h(1)]) == [None]
+    again = DiskTier(tmp_path, 1000, DIGEST_A)
+    assert again.get_many([h(1)]) == [b"model a"]
+    assert sorted(p.name for p in again.dir.iterdir()) == [f"{h(1).hex()}.kvabi", "notes.txt"]
+
+
+def test_a_disk_entry_deleted_behind_the_tiers_back_is_a_miss(tmp_path):
+    tier = DiskTier(tmp_path, 1000, DIGEST_A)
+    tier.put(h(1), b"x")
+    tier.path(h(1)).unlink()
+    assert tier.get_many([h(1)]) == [None] and tier.contains_many([h(1)]) == [False]
+
+
+def test_redis_tier_lru_and_capacity_are_shared_by_every_client(redis_server):  # noqa: F811
+    a = RedisTier(redis_server.url, 300, namespace="t")
+    b = RedisTier(redis_server.url, 300, namespace="t")
+    a.put(h(0), bytes([0]) * 100)
+    a.put(h(1), bytes([1]) * 100)
+    b.put(h(2), bytes([2]) * 100)
+    b.put(h(2), bytes([2]) * 100)  # present: no second write
+    assert b.get_many([h(0), h(5)]) == [bytes([0]) * 100, None]  # 0 is now most recent
+    a.put(h(3), bytes(100))  # over the shared capacity: 1 goes
+    assert b.contains_many([h(0), h(1), h(2), h(3)]) == [True, False, True, True]
+    assert (a.num_bytes, a.num_blocks, a.stats.evictions, b.stats.writes) == (300, 3, 1, 1)
+    b.remove(h(0))
+    c = RedisTier(redis_server.url, 300, namespace="other")  # another namespace: empty
+    assert c.contains_many([h(2)]) == [False]
+    assert int(a.client.get("t:bytes")) == 200 and a.client.zcard("t:lru") == 2
+    reader = RedisTier(redis_server.url, 300, namespace="t")  # sizes seen on a read too
+    reader.get_many([h(2)])
+    assert (reader.num_bytes, reader.num_blocks) == (200, 2)
+
+
+def test_redis_tier_fails_soft_while_down_and_reconnects(redis_server):  # noqa: F811
+    tier = RedisTier(redis_server.url, 1000, retry_s=0.2)
+    tier.put(h(0), b"x")
+    redis_server.stop()
+    assert tier.contains_many([h(0)]) == [False]  # fails, counts, marks the tier down
+    assert tier.get_many([h(0)]) == [None] and tier.is_down
+    tier.put(h(1), b"y")  # down: answered at once, nothing raised
+    assert tier.stats.failures == 1
+    redis_server.start()  # same port, empty: it lost its data
+    time.sleep(0.25)
+    tier.put(h(1), b"y")
+    assert tier.contains_many([h(0), h(1)]) == [False, True] and not tier.is_down
+    assert tier.stats.failures == 1
+
+
+@pytest.mark.parametrize("capacity", [0, -1])
+def test_a_tier_needs_a_capacity(capacity):
+    with pytest.raises(ValueError, match="capacity"):
+        HostTier(capacity)
