@@ -27,7 +27,9 @@ def run_kvabi(work: dict, dtype: str) -> dict:
     from kvabi.engine.llm import LLM
     from kvabi.engine.sampling_params import SamplingParams
 
-    llm = LLM(dtype=dtype, progress=False, max_num_batched_tokens=1024)
+    # Prefix caching off, as for vLLM (vllm_worker.py): the warm-up runs the same prompts, and
+    # hits on them would measure the cache, not the engine (`kvabi bench prefix` measures that).
+    llm = LLM(dtype=dtype, progress=False, max_num_batched_tokens=1024, enable_prefix_caching=False)
     engine = llm.engine
 
     def generate(requests: list[tuple[list[int], int]]) -> list[tuple[int, ...]]:

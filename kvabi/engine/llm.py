@@ -3,26 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
+from kvabi.engine.deltas import ChoiceDelta, DeltaTracker
 from kvabi.engine.engine import EngineConfig, LLMEngine
 from kvabi.engine.outputs import RequestOutput
 from kvabi.engine.sampling_params import SamplingParams
 from kvabi.interop.model_spec import gguf_fingerprint, state_dict_fingerprint
 from kvabi.models.registry import LoadedModel, load_model, resolve_model
-
-
-@dataclass(frozen=True)
-class TextDelta:
-    """A piece of streamed output: new text of one of a request's n completions."""
-
-    index: int
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: str | None
 
 
 class LLM:
@@ -81,25 +71,22 @@ class LLM:
 
     def stream(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None
-    ) -> Iterator[TextDelta]:
-        """Yield text as it is produced (one completion per delta; all n interleaved)."""
-        request_id = self.engine.add_request(prompt, params or SamplingParams())
-        sent: dict[int, tuple[int, int]] = {}  # index -> (chars, tokens) already yielded
+    ) -> Iterator[ChoiceDelta]:
+        """Yield text as it settles (all n choices interleaved; each finish reported once).
+
+        Text a stop string may still cut, or a half-decoded character, is held back until it
+        settles (`DeltaTracker`); abandoning the iterator aborts the request."""
+        params = params or SamplingParams()
+        request_id = self.engine.add_request(prompt, params)
+        tracker = DeltaTracker(params.stop)
         try:
-            while True:
+            while self.engine.has_unfinished():
                 for out in self.engine.step():
                     if out.request_id != request_id:
                         continue
-                    for c in out.outputs:
-                        chars, toks = sent.get(c.index, (0, 0))
-                        text = c.text[chars:] if c.finish_reason else _stable(c.text[chars:])
-                        if text or c.finish_reason or len(c.token_ids) > toks:
-                            sent[c.index] = (chars + len(text), len(c.token_ids))
-                            yield TextDelta(c.index, text, c.token_ids[toks:], c.finish_reason)
+                    yield from tracker.deltas(out)
                     if out.finished:
                         return
-                if not self.engine.has_unfinished():
-                    return
         finally:
             if request_id in self.engine.requests:
                 self.engine.abort(request_id)
@@ -109,8 +96,3 @@ class LLM:
     ) -> RequestOutput:
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.generate([prompt], params)[0]
-
-
-def _stable(text: str) -> str:
-    """Hold back a trailing replacement char: a multi-byte character may be half decoded."""
-    return text[:-1] if text.endswith("\ufffd") else text

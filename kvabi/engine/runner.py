@@ -46,7 +46,8 @@ class ModelRunner:
             tuple(slices),
             *_decode_tables(slices, self.block_size),
         )
-        return torch.tensor(ids, dtype=torch.long), pos, ctx, torch.tensor(sample_rows)
+        rows = torch.tensor(sample_rows, dtype=torch.long)  # may be empty: a prefill-only step
+        return torch.tensor(ids, dtype=torch.long), pos, ctx, rows
 
 
 def _decode_tables(slices: list[SeqSlice], block_size: int) -> tuple:

@@ -45,6 +45,12 @@ def test_chunked_prefill_and_continuous_batching_give_each_sequence_its_own_toke
     assert [o.outputs[0].token_ids for o in outs] == REFERENCE
 
 
+def test_a_prompt_longer_than_the_token_budget_prefills_in_steps_that_sample_nothing():
+    engine = tiny_engine(block_size=4, max_num_batched_tokens=5)  # 21 tokens: 5 steps alone
+    outs = run_all(engine, [PROMPTS[1]], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [REFERENCE[1]]
+
+
 def test_preemption_under_a_tiny_block_budget_completes_everything_identically():
     engine = tiny_engine(block_size=4, num_blocks=12)  # 48 slots for ~110 tokens of work
     outs = run_all(engine, PROMPTS, GREEDY)

@@ -38,6 +38,19 @@ def test_stream_yields_the_same_text_and_tokens_as_generate(llm):
     assert not llm.engine.has_unfinished()
 
 
+def test_stream_reports_each_finish_once_and_never_text_a_stop_string_cuts(llm):
+    free = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    text = llm.generate(["cut here"], free)[0].outputs[0].text
+    stop = text[4:7]  # appears in the greedy output: the engine cuts the text before it
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop], n=2)
+    whole = llm.generate(["cut here"], params)[0]
+    deltas = list(llm.stream("cut here", params))
+    for c in whole.outputs:
+        mine = [d for d in deltas if d.index == c.index]
+        assert "".join(d.text for d in mine) == c.text == text[: text.find(stop)]
+        assert [d.finish_reason for d in mine if d.finish_reason] == ["stop"]
+
+
 def test_a_bad_prompt_among_good_ones_starts_no_work(llm):
     with pytest.raises(ValueError, match="^prompt:"):
         llm.generate(["fine", ""], SamplingParams(max_tokens=2))
