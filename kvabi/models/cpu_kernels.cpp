@@ -21,6 +21,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <type_traits>
 #include <vector>
 
@@ -87,6 +90,79 @@ inline void for_each_token(const T* base, const Pool& pool, const int64_t* table
   }
 }
 
+// Scores q.k * scale of a bf16 cache with AVX512-BF16's dot-product instruction: the bf16
+// products are exact in float32 as in the generic path; only the summation order differs. It
+// reads K without converting it and sums 32 products per instruction. Returns false (nothing
+// done) where it does not apply: float32, a head size other than 64/128, more than 8 query
+// heads per KV head, or a CPU/compiler without AVX512-BF16.
+template <typename T, int DIM>
+bool bf16_scores(const T* q, int group, const Pool& pool, const int64_t* table,
+                 int64_t context_len, int64_t offset, float scale, float* scores) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, uint16_t> && (DIM == 64 || DIM == 128)) {
+    constexpr int kChunks = DIM / 32;  // 32 bf16 per 512-bit register
+    if (group > 8) return false;
+    __m512bh qv[8][kChunks];
+    for (int g = 0; g < group; ++g)
+      for (int c = 0; c < kChunks; ++c)
+        qv[g][c] = (__m512bh)_mm512_loadu_si512(q + g * DIM + c * 32);
+    for_each_token(static_cast<const T*>(pool.k), pool, table, context_len, offset,
+                   [&](int64_t t, const T* k) {
+                     __m512bh kv[kChunks];
+                     for (int c = 0; c < kChunks; ++c)
+                       kv[c] = (__m512bh)_mm512_loadu_si512(k + c * 32);
+                     for (int g = 0; g < group; ++g) {
+                       __m512 acc = _mm512_setzero_ps();
+                       for (int c = 0; c < kChunks; ++c) acc = _mm512_dpbf16_ps(acc, qv[g][c], kv[c]);
+                       scores[g * context_len + t] = _mm512_reduce_add_ps(acc) * scale;
+                     }
+                   });
+    return true;
+  }
+#endif
+  (void)q, (void)group, (void)pool, (void)table, (void)context_len, (void)offset, (void)scale;
+  (void)scores;
+  return false;
+}
+
+// acc[g] = sum_t p[g][t] * v_t for a bf16 cache with the accumulators held in registers (the
+// generic loop keeps them in memory: a load and a store per multiply-add). Same float32
+// arithmetic as the generic path. Returns false where it does not apply (float32, head size
+// other than 64/128, more accumulators than registers).
+template <typename T, int DIM>
+bool bf16_weighted_sum(int group, const Pool& pool, const int64_t* table, int64_t context_len,
+                       int64_t offset, const float* p, float* acc) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, uint16_t> && (DIM == 64 || DIM == 128)) {
+    constexpr int kChunks = DIM / 16;  // 16 floats per 512-bit register
+    constexpr int kMaxGroup = 16 / kChunks;  // 16 accumulator registers
+    if (group > kMaxGroup) return false;
+    __m512 sums[kMaxGroup][kChunks];
+    for (int g = 0; g < kMaxGroup; ++g)
+      for (int c = 0; c < kChunks; ++c) sums[g][c] = _mm512_setzero_ps();
+    for_each_token(static_cast<const T*>(pool.v), pool, table, context_len, offset,
+                   [&](int64_t t, const T* v) {
+                     __m512 vf[kChunks];
+                     for (int c = 0; c < kChunks; ++c) {
+                       const __m256i raw = _mm256_loadu_si256(
+                           reinterpret_cast<const __m256i*>(v + c * 16));
+                       vf[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+                     }
+                     for (int g = 0; g < group; ++g) {
+                       const __m512 weight = _mm512_set1_ps(p[g * context_len + t]);
+                       for (int c = 0; c < kChunks; ++c)
+                         sums[g][c] = _mm512_fmadd_ps(weight, vf[c], sums[g][c]);
+                     }
+                   });
+    for (int g = 0; g < group; ++g)
+      for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(acc + g * DIM + c * 16, sums[g][c]);
+    return true;
+  }
+#endif
+  (void)group, (void)pool, (void)table, (void)context_len, (void)offset, (void)p, (void)acc;
+  return false;
+}
+
 // One (sequence, KV head): the `group` query heads that share that KV head. DIM > 0 fixes the
 // head size at compile time (fully unrolled inner loops: ~2x faster); 0 reads it at run time.
 template <typename T, int DIM>
@@ -102,17 +178,19 @@ void attend(const T* q, T* out, const Pool& pool, const int64_t* table, int64_t 
   for (int i = 0; i < group * head_dim; ++i) qf[i] = to_f32(q[i]) * scale;
   const int64_t offset = kv_head * pool.head_stride;
   const T* kc = static_cast<const T*>(pool.k);
-  for_each_token(kc, pool, table, context_len, offset, [&](int64_t t, const T* k) {
+  if (!bf16_scores<T, DIM>(q, group, pool, table, context_len, offset, scale, scores.data())) {
+    for_each_token(kc, pool, table, context_len, offset, [&](int64_t t, const T* k) {
 #pragma omp simd
-    for (int d = 0; d < head_dim; ++d) r[d] = to_f32(k[d]);
-    for (int g = 0; g < group; ++g) {
-      const float* qg = &qf[static_cast<size_t>(g) * head_dim];
-      float dot = 0.0f;
+      for (int d = 0; d < head_dim; ++d) r[d] = to_f32(k[d]);
+      for (int g = 0; g < group; ++g) {
+        const float* qg = &qf[static_cast<size_t>(g) * head_dim];
+        float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-      for (int d = 0; d < head_dim; ++d) dot += qg[d] * r[d];
-      scores[static_cast<size_t>(g) * context_len + t] = dot;
-    }
-  });
+        for (int d = 0; d < head_dim; ++d) dot += qg[d] * r[d];
+        scores[static_cast<size_t>(g) * context_len + t] = dot;
+      }
+    });
+  }
   std::vector<float> inv_sum(group);
   for (int g = 0; g < group; ++g) {
     float* s = &scores[static_cast<size_t>(g) * context_len];
@@ -126,16 +204,19 @@ void attend(const T* q, T* out, const Pool& pool, const int64_t* table, int64_t 
     inv_sum[g] = 1.0f / sum;
   }
   const T* vc = static_cast<const T*>(pool.v);
-  for_each_token(vc, pool, table, context_len, offset, [&](int64_t t, const T* v) {
+  if (!bf16_weighted_sum<T, DIM>(group, pool, table, context_len, offset, scores.data(),
+                                 acc.data())) {
+    for_each_token(vc, pool, table, context_len, offset, [&](int64_t t, const T* v) {
 #pragma omp simd
-    for (int d = 0; d < head_dim; ++d) r[d] = to_f32(v[d]);
-    for (int g = 0; g < group; ++g) {
-      const float p = scores[static_cast<size_t>(g) * context_len + t];
-      float* a = &acc[static_cast<size_t>(g) * head_dim];
+      for (int d = 0; d < head_dim; ++d) r[d] = to_f32(v[d]);
+      for (int g = 0; g < group; ++g) {
+        const float p = scores[static_cast<size_t>(g) * context_len + t];
+        float* a = &acc[static_cast<size_t>(g) * head_dim];
 #pragma omp simd
-      for (int d = 0; d < head_dim; ++d) a[d] += p * r[d];
-    }
-  });
+        for (int d = 0; d < head_dim; ++d) a[d] += p * r[d];
+      }
+    });
+  }
   for (int g = 0; g < group; ++g)
     for (int d = 0; d < head_dim; ++d)
       store(acc[static_cast<size_t>(g) * head_dim + d] * inv_sum[g], &out[g * head_dim + d]);

@@ -48,7 +48,17 @@ def torch_decode(q, k, v, tables, lens):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "block_size", "dim"), [(9, 3, 16, 64), (4, 4, 1, 32), (8, 2, 5, 128)]
+    ("heads", "kv_heads", "block_size", "dim"),
+    # the bf16 AVX-512 paths take head sizes 64/128 with up to 8 (scores) and 4 or 2 (weighted
+    # sum) query heads per KV head; the rest goes through the generic loops
+    [
+        (9, 3, 16, 64),
+        (4, 4, 1, 32),
+        (8, 2, 5, 128),
+        (4, 2, 16, 128),
+        (8, 1, 16, 64),
+        (18, 1, 4, 64),
+    ],
 )
 def test_paged_decode_equals_the_torch_path(
     kernels, dtype, layout, heads, kv_heads, block_size, dim
