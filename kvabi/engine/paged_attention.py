@@ -71,6 +71,8 @@ class PagedAttention:
         ctx = self._ctx
         assert ctx is not None, "attention called outside `with attention.step(ctx)`"
         self.storage.write(layer_id, ctx.slot_blocks, ctx.slot_offsets, k, v)
+        if self.backend != "reference" and not ctx.prefills:  # decodes only: rows 0..n-1
+            return self._attend_decodes(layer_id, q, ctx)
         out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
         if self.backend == "reference":
             for s in ctx.seqs:
