@@ -241,13 +241,17 @@ void decode(const T* q, T* out, const Pool& pool, const int64_t* tables, int64_t
   }
 }
 
+// Below this many elements an elementwise kernel runs on the calling thread: waking the other
+// threads costs more than the work (decode steps have a few rows).
+constexpr int64_t kParallelMin = 1 << 16;
+
 // x [rows, n] with row stride x_stride -> out [rows, n] contiguous. With a residual [rows, n]
 // (contiguous): residual += x first (rounded to T), and the sum is what gets normalised, i.e.
 // HF's `h = residual + x; out = norm(h)` with h written back into residual.
 template <typename T>
 void rms_norm(const T* x, int64_t x_stride, T* residual, const T* weight, T* out, int64_t rows,
               int64_t n, float eps, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * n >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
     const T* src = x + r * x_stride;
     if (residual != nullptr) {
@@ -279,7 +283,7 @@ void silu_and_mul_row(const T* __restrict gate, const T* __restrict up, T* __res
 
 template <typename T>
 void silu_and_mul(const T* x, T* out, int64_t rows, int64_t n, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * n >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r)
     silu_and_mul_row(x + r * 2 * n, x + r * 2 * n + n, out + r * n, static_cast<int>(n));
 }
@@ -291,7 +295,7 @@ template <typename T>
 void rope(T* x, int64_t token_stride, int64_t tokens, int64_t heads, int64_t head_dim,
           const T* cos, const T* sin, int num_threads) {
   const int64_t half = head_dim / 2;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (tokens * heads * head_dim >= kParallelMin)
   for (int64_t t = 0; t < tokens; ++t) {
     const T* c = cos + t * head_dim;
     const T* s = sin + t * head_dim;
