@@ -19,8 +19,11 @@ LLAMA_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DG
 	CMAKE_ARGS="$(LLAMA_CMAKE)" $(PIP) install -q llama-cpp-python==0.3.36
 	touch $@
 
+# The ABI demo, then the OpenAI server on the bundled model in the foreground (Ctrl-C stops it);
+# `kvabi serve` prints its URL and a curl line to paste before it loads the model.
 run: .venv/.installed
 	$(PY) -m kvabi.cli.demo
+	$(PY) -m kvabi.cli.main serve
 
 test: .venv/.installed
 	$(PY) -m ruff check kvabi tests

@@ -1,4 +1,4 @@
-"""The `kvabi` command line: layouts, inspect, convert, plan, bench."""
+"""The `kvabi` command line: layouts, inspect, convert, plan, generate, chat, serve, bench."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from kvabi.abi.plan import plan
 from kvabi.abi.presets import PRESETS, preset_descriptor
 from kvabi.abi.text_form import from_text
 from kvabi.bench.report import print_table
+from kvabi.cli.disagg import add_disagg_args, add_router_args, cmd_disagg, cmd_router
+from kvabi.cli.serve import add_serve_args, add_serve_bench_args, cmd_serve
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -144,6 +146,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from kvabi.bench.throughput import run as run_throughput
 
         run_throughput(args.quick, args.json, args.dtype)
+    elif args.what == "serve":
+        from kvabi.bench.serve_bench import run as run_serve
+
+        run_serve(args)
+    elif args.what == "prefix":
+        from kvabi.bench.prefix_bench import run as run_prefix
+
+        run_prefix(args.quick, args.json, args.prefix_plot)
+    elif args.what == "memory":
+        from kvabi.bench.memory_bench import run as run_memory
+
+        run_memory(args.quick, args.json)
+    elif args.what == "disagg":
+        from kvabi.bench.disagg_bench import run as run_disagg
+
+        run_disagg(args.quick, args.json)
     return 0
 
 
@@ -181,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     p.set_defaults(fn=cmd_chat)
     p = sub.add_parser("bench", help="benchmarks, as ratios against a same-run baseline")
-    p.add_argument("what", choices=["convert", "throughput"])
+    p.add_argument("what", choices=["convert", "throughput", "serve", "prefix", "memory", "disagg"])
     p.add_argument(
         "--dtype",
         action="append",
@@ -190,7 +208,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quick", action="store_true", help="the ~1 minute size")
     p.add_argument("--json", help="write the figures as one JSON object to this file")
+    p.add_argument(
+        "--prefix-plot",
+        default="out/bench/prefix_hit_rate.png",
+        help="prefix: where to write the PNG of hit rate against pool capacity",
+    )
+    add_serve_bench_args(p)
     p.set_defaults(fn=cmd_bench)
+    p = sub.add_parser("serve", help="the OpenAI-compatible server (completions, chat, metrics)")
+    add_serve_args(p)
+    p.set_defaults(fn=cmd_serve)
+    p = sub.add_parser("router", help="front door to prefill and decode instances (OpenAI API)")
+    add_router_args(p)
+    p.set_defaults(fn=cmd_router)
+    p = sub.add_parser("disagg", help="a router, one prefill and one decode instance, here")
+    add_disagg_args(p)
+    p.set_defaults(fn=cmd_disagg)
     return parser
 
 

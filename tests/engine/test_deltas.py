@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvabi.engine.outputs import CompletionOutput, RequestOutput
 from kvabi.engine.deltas import DeltaTracker
+from kvabi.engine.outputs import CompletionOutput, RequestOutput
 
 
 def _out(*choices: tuple[str, int, str | None]) -> RequestOutput:

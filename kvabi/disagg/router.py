@@ -1,0 +1,199 @@
+"""`kvabi router`: the OpenAI-compatible front door of a disaggregated deployment.
+
+Each generation request goes to a decode instance (round robin) with the prefill instance it
+should fetch the prompt's KV from (round robin, named by its KV endpoint in `X-Kvabi-Prefill`);
+the decode instance fetches, decodes and streams, and the router passes the bytes through.
+Faults: a decode instance that cannot be reached, fails with a 5xx, or drops a non-streamed
+request before its answer is retried on the next one; when none is left the request goes to a
+prefill instance, which is a whole engine and serves it colocated. A streamed answer cut after
+its first bytes ends with an error event (its text so far was already delivered). A prefill
+instance that fails costs nothing here: the decode instance then prefills the prompt itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import httpx
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+log = logging.getLogger("kvabi.router")
+PEER_HEADER = "x-kvabi-prefill"
+INSTANCE_HEADER = "x-kvabi-instance"  # the instance that served the request
+RETRIES_HEADER = "x-kvabi-retries"  # instances that failed it first
+PASSED_HEADERS = ("content-type", "x-kvabi-kv", "retry-after", "cache-control")
+
+
+@dataclass(frozen=True)
+class PrefillTarget:
+    url: str  # its OpenAI server (for the colocated fallback)
+    kv_address: str  # its KV endpoint, which decode instances fetch from
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    prefill: tuple[PrefillTarget, ...]
+    decode: tuple[str, ...]  # decode instances' server URLs
+    timeout_s: float = 600.0  # a whole answer
+    connect_timeout_s: float = 5.0
+    max_body_bytes: int = 4 * 2**20
+
+    def __post_init__(self) -> None:
+        if not self.decode and not self.prefill:
+            raise ValueError("router: give at least one decode or prefill instance")
+
+
+class Router:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s)
+        self.client = httpx.AsyncClient(timeout=timeout)
+        self._prefill = itertools.cycle(config.prefill) if config.prefill else None
+        self._turn = itertools.count()
+
+    def candidates(self) -> list[tuple[str, dict[str, str]]]:
+        """Where to try a request, in order: each decode instance (from the next in turn) with
+        a prefill peer to fetch from, then the prefill instances as colocated engines."""
+        peer = next(self._prefill) if self._prefill is not None else None
+        n = len(self.config.decode)
+        first = next(self._turn) % n if n else 0
+        decode = [self.config.decode[(first + i) % n] for i in range(n)]
+        headers = {PEER_HEADER: peer.kv_address} if peer is not None else {}
+        return [(url, headers) for url in decode] + [(p.url, {}) for p in self.config.prefill]
+
+    async def forward(self, request: Request, path: str) -> Response:
+        """POST the request to the first candidate that serves it (see the module doc)."""
+        body = await request.body()
+        if len(body) > self.config.max_body_bytes:
+            return _error(413, f"request body over {self.config.max_body_bytes} bytes")
+        headers = {k: v for k, v in request.headers.items() if k in ("authorization",)}
+        headers["content-type"] = "application/json"
+        is_stream = _is_stream(body)
+        failures = []
+        for url, extra in self.candidates():
+            try:
+                response = await self._try(url + path, body, headers | extra, is_stream)
+            except _Retry as exc:
+                log.warning("%s failed (%s); trying the next instance", url, exc)
+                failures.append(f"{url}: {exc}")
+                continue
+            response.headers[INSTANCE_HEADER] = url
+            response.headers[RETRIES_HEADER] = str(len(failures))
+            return response
+        return _error(503, "no instance could serve the request: " + "; ".join(failures))
+
+    async def _try(self, url: str, body: bytes, headers: dict, is_stream: bool) -> Response:
+        try:
+            upstream = await self.client.send(
+                self.client.build_request("POST", url, content=body, headers=headers), stream=True
+            )
+        except httpx.TransportError as exc:
+            raise _Retry(f"{type(exc).__name__}: {exc}") from exc
+        if upstream.status_code >= 500:
+            await upstream.aclose()
+            raise _Retry(f"HTTP {upstream.status_code}")
+        passed = {k: v for k, v in upstream.headers.items() if k in PASSED_HEADERS}
+        if not is_stream or upstream.status_code != 200:
+            try:
+                content = await upstream.aread()
+            except httpx.TransportError as exc:
+                raise _Retry(f"dropped before its answer: {exc}") from exc
+            finally:
+                await upstream.aclose()
+            return Response(content, upstream.status_code, passed)
+        return StreamingResponse(_relay(upstream), upstream.status_code, passed)
+
+    async def get(self, path: str) -> Response:
+        """GET passed to the first instance that answers (/v1/models)."""
+        for url, _ in self.candidates():
+            try:
+                r = await self.client.get(url + path)
+                return Response(r.content, r.status_code, {"content-type": "application/json"})
+            except httpx.TransportError:
+                continue
+        return _error(503, "no instance answers")
+
+    async def health(self) -> JSONResponse:
+        """ok when some decode instance (or, failing that, a prefill instance) is healthy."""
+        status = {}
+        for url, _ in self.candidates():
+            try:
+                status[url] = (await self.client.get(url + "/health", timeout=2.0)).status_code
+            except httpx.TransportError:
+                status[url] = 0
+        ok = any(code == 200 for code in status.values())
+        return JSONResponse(
+            {"status": "ok" if ok else "no instance", "instances": status}, 200 if ok else 503
+        )
+
+
+class _Retry(Exception):
+    """This instance failed before anything reached the client; try another."""
+
+
+async def _relay(upstream: httpx.Response) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in upstream.aiter_raw():
+            yield chunk
+    except httpx.TransportError as exc:
+        log.warning("a streamed answer was cut: %s", exc)
+        error = {
+            "error": {
+                "message": f"the decode instance failed mid-answer: {exc}",
+                "type": "server_error",
+                "code": "instance_failed",
+            }
+        }
+        yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+    finally:
+        await upstream.aclose()
+
+
+def _is_stream(body: bytes) -> bool:
+    try:
+        return bool(json.loads(body).get("stream"))
+    except (ValueError, AttributeError):
+        return False  # the instance answers a bad body with its own error
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    code = "no_instance" if status == 503 else None
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    return JSONResponse(body, status)
+
+
+def create_router_app(config: RouterConfig) -> FastAPI:
+    """The router's app: /v1/completions, /v1/chat/completions, /v1/models, /health."""
+    router = Router(config)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await router.client.aclose()
+
+    app = FastAPI(title="kvabi router", lifespan=lifespan)
+    app.state.router = router
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await router.forward(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await router.forward(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return await router.get("/v1/models")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return await router.health()
+
+    return app

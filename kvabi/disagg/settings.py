@@ -1,0 +1,38 @@
+"""`DisaggSettings`: an instance's part in a disaggregated deployment (`kvabi serve --role`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvabi.disagg.tcp_transport import TRANSPORTS
+from kvabi.disagg.transport import Transport, TransportConfig, split_address
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class DisaggSettings:
+    role: str  # prefill: computes prompts' KV and serves it; decode: fetches it, then decodes
+    secret: bytes  # shared by the deployment's instances (and never sent)
+    kv_address: str = "127.0.0.1:8100"  # prefill: where the KV endpoint listens
+    peers: tuple[str, ...] = ()  # decode: the prefill KV endpoints it may fetch from
+    transport: str = "tcp"
+    io_timeout_s: float = 10.0
+    transfer_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role: one of {ROLES}, got {self.role!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport: one of {sorted(TRANSPORTS)}, got {self.transport!r}")
+        for address in (self.kv_address, *self.peers):
+            split_address(address)
+        self.transport_config()  # validates the secret and timeouts
+
+    def transport_config(self) -> TransportConfig:
+        """What the transport needs of these settings."""
+        return TransportConfig(self.secret, self.io_timeout_s, self.transfer_timeout_s)
+
+    def make_transport(self) -> Transport:
+        """The named transport over these settings."""
+        return TRANSPORTS[self.transport](self.transport_config())

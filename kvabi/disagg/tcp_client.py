@@ -1,0 +1,153 @@
+"""The TCP transport's decode side: a small pool of handshaken connections to one prefill peer.
+
+`fetch` sends the prompt, waits (up to the transfer timeout) for the `kv` message, then reads
+the container with `iter_layers`: each layer's section is verified as it arrives, the end record
+last; nothing is returned unless all of it passed and it is exactly the blocks asked for. Reads
+are capped at the announced length, which is checked against what the request can need before
+a byte of payload is read. A connection that saw any error is closed, never reused.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+from kvabi.abi.block_hash import hash_blocks, root_hash
+from kvabi.abi.buffers import CacheBuffers
+from kvabi.abi.descriptor import Descriptor
+from kvabi.disagg.errors import MessageTooLargeError, PeerClosedError, TransferError
+from kvabi.disagg.framing import SocketStream, expect, recv_exact, recv_msg, send_msg
+from kvabi.disagg.handshake import client_handshake
+from kvabi.disagg.tcp_server import container_size
+from kvabi.disagg.transport import (
+    FetchRequest,
+    KVClient,
+    KVPayload,
+    TransportConfig,
+    split_address,
+)
+from kvabi.wire.container import ContainerMeta, LayerSection, iter_layers
+from kvabi.wire.container_format import HEADER, Header
+from kvabi.wire.errors import FormatError
+
+
+class TcpKVClient(KVClient):
+    def __init__(self, config: TransportConfig, address: str, desc: Descriptor) -> None:
+        self.config, self.address, self.desc = config, address, desc
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+        conn, self.peer_desc = self._open()  # the handshake happens now, not at a request
+        self._idle.append(conn)
+
+    def fetch(self, request: FetchRequest) -> KVPayload:
+        conn, is_reused = self._take()
+        try:
+            payload = self._fetch_on(conn, request)
+        except _ClosedByPeer:
+            conn.close()
+            if not is_reused:
+                raise
+            conn = self._take_new()  # an idle connection the peer dropped: once more, fresh
+            try:
+                payload = self._fetch_on(conn, request)
+            except BaseException:
+                conn.close()
+                raise
+        except BaseException:
+            conn.close()
+            raise
+        with self._lock:
+            self._idle.append(conn)
+        return payload
+
+    def close(self) -> None:
+        with self._lock:
+            for conn in self._idle:
+                conn.close()
+            self._idle.clear()
+
+    def _open(self) -> tuple[socket.socket, Descriptor]:
+        conn = socket.create_connection(split_address(self.address), self.config.io_timeout_s)
+        try:
+            conn.settimeout(self.config.io_timeout_s)
+            return conn, client_handshake(conn, self.config.secret, self.desc)
+        except BaseException:
+            conn.close()
+            raise
+
+    def _take(self) -> tuple[socket.socket, bool]:
+        """An idle connection (True) or a new one (False)."""
+        with self._lock:
+            if self._idle:
+                return self._idle.pop(), True
+        return self._take_new(), False
+
+    def _take_new(self) -> socket.socket:
+        try:
+            return self._open()[0]
+        except OSError as exc:
+            raise TransferError(f"cannot reach prefill peer {self.address}: {exc}") from exc
+
+    def _fetch_on(self, conn: socket.socket, request: FetchRequest) -> KVPayload:
+        deadline = time.monotonic() + self.config.transfer_timeout_s
+        ids, start, salt = list(request.token_ids), request.start_token, request.cache_salt
+        try:
+            send_msg(
+                conn, {"t": "fetch", "token_ids": ids, "start_token": start, "cache_salt": salt}
+            )
+            conn.settimeout(self.config.transfer_timeout_s)  # the peer prefills first
+            reply = expect(recv_msg(conn), "kv")
+        except PeerClosedError as exc:
+            raise _ClosedByPeer(str(exc)) from exc
+        conn.settimeout(self.config.io_timeout_s)
+        head = recv_exact(conn, HEADER.size)
+        limit = self._checked_size(request, reply, Header.parse(memoryview(head)))
+        payload = self._read(SocketStream(conn, head, limit), request, reply["start_token"])
+        if time.monotonic() > deadline:
+            raise TransferError("the fetch finished after its transfer timeout")
+        return payload
+
+    def _checked_size(self, request: FetchRequest, reply: dict, header: Header) -> int:
+        start, size = reply.get("start_token"), reply.get("num_bytes")
+        if start != request.start_token or not isinstance(size, int):
+            raise TransferError(f"kv reply for start {start!r}, asked {request.start_token}")
+        num_tokens = len(request.token_ids) - request.start_token
+        if header.num_tokens > num_tokens:
+            raise MessageTooLargeError(f"{header.num_tokens} tokens sent, {num_tokens} asked")
+        hashes = header.num_tokens // self.peer_desc.layout.block_size
+        cap = container_size(self.peer_desc, header.num_tokens, hashes)
+        if size != cap:
+            raise MessageTooLargeError(f"kv reply announces {size} bytes; it can be {cap}")
+        return size
+
+    def _read(self, stream: SocketStream, request: FetchRequest, start: int) -> KVPayload:
+        meta, tensors = None, {}
+        for item in iter_layers(stream, expect=self.desc.model):  # type: ignore[arg-type]
+            if isinstance(item, ContainerMeta):
+                meta = item
+                if meta.desc != self.peer_desc:
+                    raise FormatError("the container's descriptor is not the negotiated one")
+            elif isinstance(item, LayerSection):
+                tensors |= item.tensors
+        if meta is None or stream.left:
+            raise FormatError("the container ended early or has trailing bytes")
+        self._check_identity(meta, request, start)
+        cache = CacheBuffers(meta.desc, tensors)
+        return KVPayload(start, tuple(meta.token_ids), tuple(meta.block_hashes), cache)
+
+    def _check_identity(self, meta: ContainerMeta, request: FetchRequest, start: int) -> None:
+        """The blocks are of the asked tokens, hashed by the same scheme (digest and salt)."""
+        end = start + len(meta.token_ids)
+        if tuple(meta.token_ids) != request.token_ids[start:end]:
+            raise FormatError("the container holds other tokens than the prompt's")
+        salt = None if request.cache_salt is None else {"cache_salt": request.cache_salt}
+        root = root_hash(self.desc.model.compat_digest(), salt)
+        bs = self.peer_desc.layout.block_size
+        expected = hash_blocks(request.token_ids[:end], bs, root)[start // bs :]
+        if list(meta.block_hashes) != expected:
+            raise FormatError("the container's block hashes are not the prompt's")
+
+
+class _ClosedByPeer(PeerClosedError):
+    """The peer closed the connection before answering (e.g. an idle connection it dropped)."""

@@ -1,0 +1,178 @@
+"""The TCP transport's prefill side: one thread per authenticated connection.
+
+A connection handshakes (handshake.py), then serves `fetch` messages one at a time: the
+provider prefills the prompt and returns its blocks, which go back as a `kv` message (the
+container's byte length) followed by the container, written a layer at a time in bounded
+chunks. A provider failure is answered with an `error` message; the connection stays usable.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+
+from kvabi.abi.descriptor import Descriptor
+from kvabi.disagg.errors import MessageTooLargeError, TransferError
+from kvabi.disagg.framing import ChunkedSink, expect, recv_msg, send_msg
+from kvabi.disagg.handshake import server_handshake
+from kvabi.disagg.transport import (
+    FetchRequest,
+    KVPayload,
+    KVProvider,
+    KVServer,
+    TransportConfig,
+    split_address,
+)
+from kvabi.wire.container_format import END, HEADER, SECTION_HEADER, padding, section_layouts
+from kvabi.wire.container_writer import write_container
+
+log = logging.getLogger("kvabi.disagg")
+MAX_CONNECTIONS = 256
+FAULT_ENV = "KVABI_DISAGG_FAULT"  # tests only: e.g. "corrupt,stall:5" (see _Fault)
+
+
+class TcpKVServer(KVServer):
+    def __init__(
+        self, config: TransportConfig, address: str, desc: Descriptor, provider: KVProvider
+    ) -> None:
+        self.config, self.desc, self.provider = config, desc, provider
+        self._listener = socket.create_server(split_address(address), backlog=64)
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._fault = _Fault.from_env()
+        threading.Thread(target=self._accept_loop, name="kvabi-kv-accept", daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        host, port = self._listener.getsockname()[:2]
+        return f"{host}:{port}"
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+        with self._lock:
+            for conn in list(self._conns):
+                conn.close()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                if len(self._conns) >= MAX_CONNECTIONS:  # one thread each: refuse a flood
+                    conn.close()
+                    continue
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(self.config.io_timeout_s)
+            server_handshake(conn, self.config.secret, self.desc)
+            while not self._closed:
+                conn.settimeout(self.config.idle_timeout_s)
+                msg = expect(recv_msg(conn), "fetch")
+                conn.settimeout(self.config.io_timeout_s)
+                self._answer(conn, msg)
+        except Exception as exc:  # the connection ends; the server goes on
+            log.info("kv connection closed: %s", exc)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _answer(self, conn: socket.socket, msg: dict) -> None:
+        try:
+            request = self._request(msg)
+            payload = self.provider(request)
+        except Exception as exc:
+            log.warning("prefill for a fetch failed: %s", exc)
+            send_msg(conn, {"t": "error", "kind": "prefill", "msg": str(exc)[:2000]})
+            return
+        self._send_payload(conn, payload)
+
+    def _request(self, msg: dict) -> FetchRequest:
+        ids, start, salt = msg.get("token_ids"), msg.get("start_token"), msg.get("cache_salt")
+        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            raise TransferError("fetch: token_ids must be a list of ints")
+        if len(ids) > self.config.max_tokens:
+            raise MessageTooLargeError(f"fetch: {len(ids)} tokens > {self.config.max_tokens}")
+        if not isinstance(start, int) or not 0 <= start <= len(ids):
+            raise TransferError(f"fetch: start_token {start!r} outside the prompt")
+        if start % self.desc.layout.block_size:
+            raise TransferError(f"fetch: start_token {start} is not at a block boundary")
+        if salt is not None and not isinstance(salt, str):
+            raise TransferError("fetch: cache_salt must be a string")
+        return FetchRequest(tuple(ids), start, salt)
+
+    def _send_payload(self, conn: socket.socket, payload: KVPayload) -> None:
+        size = container_size(payload.cache.desc, len(payload.token_ids), len(payload.block_hashes))
+        send_msg(conn, {"t": "kv", "start_token": payload.start_token, "num_bytes": size})
+        sink = ChunkedSink(conn, self.config.transfer_timeout_s)
+        write_container(
+            self._fault.wrap(sink, payload), payload.cache, payload.token_ids, payload.block_hashes
+        )
+        sink.flush()
+
+
+def container_size(desc: Descriptor, num_tokens: int, num_hashes: int) -> int:
+    """A container's byte length (docs/ABI.md, section 5), announced before it is sent."""
+    pos = len(desc.to_json().encode()) + HEADER.size + 4 * num_tokens + 32 * num_hashes + 8
+    pos += padding(pos)
+    for layout in section_layouts(desc, num_tokens):
+        pos += SECTION_HEADER.size + layout.payload_len
+        pos += padding(pos)
+    return pos + END.size
+
+
+class _Fault:
+    """Test hook (env KVABI_DISAGG_FAULT, a comma-separated list used in turn, one per
+    transfer), applied to the bytes after the writer checksummed them: `corrupt` flips the
+    first payload byte of the first layer, so the receiver's check of that section fails;
+    `stall:S` sleeps S seconds before sending that layer; `none` sends it intact."""
+
+    def __init__(self, faults: list[tuple[str, float]]) -> None:
+        self.faults, self.turn = faults, itertools.count()
+
+    @classmethod
+    def from_env(cls) -> _Fault:
+        faults = []
+        for item in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
+            kind, _, arg = item.partition(":")
+            faults.append((kind, float(arg or 0)))
+        return cls(faults)
+
+    def wrap(self, sink: ChunkedSink, payload: KVPayload) -> ChunkedSink | _FaultySink:
+        if not self.faults or payload.cache.extent == 0:
+            return sink
+        kind, seconds = self.faults[next(self.turn) % len(self.faults)]
+        desc = payload.cache.desc
+        head = len(desc.to_json().encode()) + HEADER.size
+        head += 4 * len(payload.token_ids) + 32 * len(payload.block_hashes) + 8
+        head += padding(head) + SECTION_HEADER.size  # the first payload byte
+        return _FaultySink(sink, head, kind, seconds)
+
+
+class _FaultySink:
+    def __init__(self, sink: ChunkedSink, offset: int, kind: str, seconds: float) -> None:
+        self.sink, self.offset, self.kind, self.seconds = sink, offset, kind, seconds
+        self.pos, self.done = 0, False
+
+    def write(self, data: bytes | memoryview) -> int:
+        end = self.pos + len(data)
+        if not self.done and end > self.offset:
+            self.done = True
+            if self.kind == "stall":
+                time.sleep(self.seconds)
+            elif self.kind == "corrupt":
+                data = bytearray(data)
+                data[self.offset - self.pos] ^= 0xFF
+        self.pos = end
+        return self.sink.write(data)

@@ -1,0 +1,26 @@
+"""`TcpTransport`: plain TCP (loopback by default), for where NIXL is not installed."""
+
+from __future__ import annotations
+
+from kvabi.abi.descriptor import Descriptor
+from kvabi.disagg.tcp_client import TcpKVClient
+from kvabi.disagg.tcp_server import TcpKVServer
+from kvabi.disagg.transport import KVClient, KVProvider, KVServer, Transport, TransportConfig
+
+
+class TcpTransport(Transport):
+    name = "tcp"
+
+    def __init__(self, config: TransportConfig) -> None:
+        self.config = config
+
+    def listen(self, address: str, desc: Descriptor, provider: KVProvider) -> KVServer:
+        """Serve on `address` (default deployments bind 127.0.0.1)."""
+        return TcpKVServer(self.config, address, desc, provider)
+
+    def connect(self, address: str, desc: Descriptor) -> KVClient:
+        """Connect and handshake now."""
+        return TcpKVClient(self.config, address, desc)
+
+
+TRANSPORTS: dict[str, type[Transport]] = {"tcp": TcpTransport}

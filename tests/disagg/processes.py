@@ -1,0 +1,102 @@
+"""Real `kvabi serve --role` processes on the tiny chat model, and the router in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import httpx
+
+from kvabi.disagg.router import PrefillTarget, RouterConfig, create_router_app
+from kvabi.server.launch import ServerProcess, free_port
+
+T = TypeVar("T")
+SECRET = "disagg-test-secret-0123456789"
+ENV = {"KVABI_KV_SECRET": SECRET}
+
+
+def tiny_args(folder: str) -> list[str]:
+    """`kvabi serve` arguments for the tiny chat model's folder, 128 blocks."""
+    return [
+        "--model",
+        folder,
+        "--served-model-name",
+        "tiny",
+        "--dtype",
+        "fp32",
+        "--num-blocks",
+        "128",
+    ]
+
+
+class Instance:
+    """One `kvabi serve` process of a role; a prefill instance also has its KV address."""
+
+    def __init__(
+        self, model_args: list[str], role: str, layout: str, block_size: int, *extra: str
+    ) -> None:
+        self.kv_address = f"127.0.0.1:{_port()}"
+        args = [*model_args, "--kv-layout", layout, "--block-size", str(block_size)]
+        args += ["--role", role]
+        if role == "prefill":
+            args += ["--kv-address", self.kv_address]
+        self.process = ServerProcess(args + list(extra), startup_timeout_s=180, env=ENV)
+        self.process.port = _port()
+
+    @property
+    def url(self) -> str:
+        return self.process.url
+
+    @property
+    def target(self) -> PrefillTarget:
+        return PrefillTarget(self.url, self.kv_address)
+
+    def kill(self) -> None:
+        """SIGKILL: no goodbye to its peers."""
+        assert self.process.process is not None
+        self.process.process.kill()
+        self.process.process.wait()
+
+    def free_blocks(self) -> tuple[float, float]:
+        """(free, total) blocks of its pool, from /metrics."""
+        text = httpx.get(f"{self.url}/metrics").text
+        get = lambda name: float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))  # noqa: E731
+        return get("kvabi_kv_blocks_free"), get("kvabi_kv_blocks_total")
+
+
+_TAKEN: set[int] = set()
+
+
+def _port() -> int:
+    """A free port no other instance of this test run was given (the OS may repeat one)."""
+    port = free_port()
+    while port in _TAKEN:
+        port = free_port()
+    _TAKEN.add(port)
+    return port
+
+
+def start_all(instances: list[Instance]) -> None:
+    """Start every process at once, then wait for each (they load in parallel)."""
+    for i in instances:
+        i.process.start()
+    for i in instances:
+        i.process.wait_ready()
+
+
+def through_router(
+    prefill: list[Instance], decode: list[Instance], fn: Callable[[httpx.AsyncClient], Awaitable[T]]
+) -> T:
+    """`fn(client)` against the router app in-process; it reaches the instances over HTTP."""
+    app = create_router_app(
+        RouterConfig(tuple(p.target for p in prefill), tuple(d.url for d in decode), timeout_s=60)
+    )
+
+    async def main() -> T:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            return await fn(client)
+
+    return asyncio.run(main())

@@ -1,0 +1,51 @@
+"""In-process prefill and decode peers over loopback sockets, with the tiny model."""
+
+from __future__ import annotations
+
+import threading
+
+from kvabi.disagg.kv_export import export_blocks
+from kvabi.disagg.tcp_transport import TcpTransport
+from kvabi.disagg.transport import FetchRequest, KVPayload, KVServer, TransportConfig
+from kvabi.engine.engine import EngineConfig, LLMEngine
+from kvabi.engine.sampling_params import SamplingParams
+from tests.engine.tiny import tiny_loaded
+
+SECRET = b"0123456789abcdef-test-secret"
+
+
+def config(**changes: object) -> TransportConfig:
+    return TransportConfig(SECRET, **{"io_timeout_s": 5.0, "transfer_timeout_s": 10.0, **changes})
+
+
+def engine(layout: str = "nhd", block_size: int = 4, fingerprint: str = "tiny") -> LLMEngine:
+    config = EngineConfig(kv_layout=layout, block_size=block_size, num_blocks=64)
+    return LLMEngine(tiny_loaded(), config, fingerprint=fingerprint)
+
+
+def prefill_provider(e: LLMEngine):
+    """Prefill (max_tokens=1) on `e`, then export its blocks; one request at a time."""
+    lock = threading.Lock()
+
+    def provide(request: FetchRequest) -> KVPayload:
+        with lock:
+            e.add_request(list(request.token_ids), SamplingParams(max_tokens=1))
+            while e.has_unfinished():
+                e.step()
+            return export_blocks(e, request)
+
+    return provide
+
+
+def prefill_server(e: LLMEngine, cfg: TransportConfig | None = None) -> KVServer:
+    transport = TcpTransport(cfg or config())
+    return transport.listen("127.0.0.1:0", e.info.descriptor, prefill_provider(e))
+
+
+def greedy(e: LLMEngine, ids: list[int], n: int = 12) -> list[int]:
+    request_id = e.add_request(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    while e.has_unfinished():
+        for out in e.step():
+            if out.finished and out.request_id == request_id:
+                return list(out.outputs[0].token_ids)
+    raise AssertionError("the request never finished")
