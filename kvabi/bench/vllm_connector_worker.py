@@ -1,0 +1,82 @@
+"""One vLLM process with kvabi's KV connector: run prompts in order, report tokens and hits.
+
+Runs in vLLM's interpreter with the repo on PYTHONPATH (like vllm_kv_worker.py):
+
+    PYTHONPATH=. .venv-vllm/bin/python kvabi/bench/vllm_connector_worker.py --job J --out R
+
+Job: {"model_dir", "dtype", "model" (descriptor JSON), "prompts" ([{"ids": [...],
+"cache_salt": optional}]), "max_tokens", "disk_dir" (or null), "redis_url" (or null)}.
+vLLM's own prefix cache is off, so every cached token a request reports came through the
+connector (kvabi's tiers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
+
+
+def run(job: dict[str, Any]) -> dict[str, Any]:
+    os.environ.update(ENV)  # read when vllm is imported: set first
+    import vllm
+    from vllm.config import KVTransferConfig
+
+    start = time.perf_counter()
+    extra = {"model": job["model"], "disk_dir": job["disk_dir"], "redis_url": job["redis_url"]}
+    config = KVTransferConfig(
+        kv_connector="KvabiConnector",
+        kv_connector_module_path="kvabi.bench.vllm_connector",
+        kv_role="kv_both",
+        kv_connector_extra_config=extra,
+    )
+    llm = vllm.LLM(
+        model=job["model_dir"],
+        dtype=job["dtype"],
+        max_model_len=2048,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        kv_transfer_config=config,
+        seed=0,
+    )
+    startup = time.perf_counter() - start
+    params = vllm.SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True)
+    runs = []
+    for prompt in job["prompts"]:  # one at a time: each may load what the previous saved
+        begin = time.perf_counter()
+        inputs = {"prompt_token_ids": prompt["ids"]}
+        if prompt.get("cache_salt"):
+            inputs["cache_salt"] = prompt["cache_salt"]
+        out = llm.generate([inputs], params, use_tqdm=False)[0]
+        runs.append(
+            {
+                "tokens": list(out.outputs[0].token_ids),
+                "num_cached_tokens": out.num_cached_tokens,
+                "wall_s": time.perf_counter() - begin,
+            }
+        )
+    return {"startup_s": startup, "runs": runs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--job", required=True, type=Path)
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args(argv)
+    result = run(json.loads(args.job.read_text(encoding="utf-8")))
+    args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""The vLLM CPU cache adapter on caches built by vLLM's packing formulas (no vLLM needed).
+
+tests/interop/test_vllm_handoff.py runs the same adapter on a real vLLM process."""
+
+import pytest
+import torch
+
+from kvabi.abi.buffers import CacheBuffers
+from kvabi.abi.convert import convert
+from kvabi.abi.descriptor import Descriptor, Layout
+from kvabi.interop.errors import InteropError, ModelMismatchError, UnsupportedTypeError
+from kvabi.interop.vllm_cache import (
+    kv_caches_to_buffers,
+    read_sequence,
+    vllm_cpu_descriptor,
+    write_sequence,
+)
+from tests.abi.test_vllm_cpu_presets import MODEL, T, _engine_cache
+
+BS = 32
+BLOCK_TABLE = [3, 1, 4]  # vLLM never hands out block 0
+ISAS = {"vllm-cpu-vec": "vec", "vllm-cpu-amx": "amx"}
+
+
+def _values(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        f"{l}.{p}": torch.randn(T, 2, 32, generator=g).bfloat16().float()
+        for l in range(2)
+        for p in "kv"
+    }
+
+
+def _vllm_tensors(name: str, values: dict) -> list[torch.Tensor]:
+    """Per layer [num_blocks, H, block_size, 2D], as vLLM allocates and fills them."""
+    return list(_engine_cache(name, values, BS, BLOCK_TABLE).unbind(0))
+
+
+@pytest.mark.parametrize("name", sorted(ISAS))
+def test_vllm_tensors_are_viewed_in_place_and_read_per_sequence(name):
+    values = _values()
+    tensors = _vllm_tensors(name, values)
+    cache = kv_caches_to_buffers(tensors, MODEL, ISAS[name])
+    assert cache.desc.layout.name == name and cache.desc.layout.block_size == BS
+    assert cache.tensors["1"].data_ptr() == tensors[1].data_ptr()  # a view, not a copy
+    seq = read_sequence(cache, BLOCK_TABLE, T)
+    assert seq.extent == 3 and seq.desc == cache.desc
+    canon = Descriptor(MODEL, Layout("THC", 0, "f32", planes="separate"))
+    back = convert(seq, canon, num_tokens=T)
+    assert all(torch.equal(back.tensors[k], v) for k, v in values.items())
+
+
+@pytest.mark.parametrize("name", sorted(ISAS))
+def test_write_sequence_fills_vllm_blocks_as_vllm_would(name):
+    values = _values(1)
+    want = _vllm_tensors(name, values)
+    got = [torch.zeros_like(t) for t in want]
+    src = CacheBuffers(Descriptor(MODEL, Layout("THC", 0, "f32", planes="separate")), values)
+    write_sequence(src, kv_caches_to_buffers(got, MODEL, ISAS[name]), BLOCK_TABLE, T)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_refusals():
+    tensors = _vllm_tensors("vllm-cpu-vec", _values())
+    with pytest.raises(UnsupportedTypeError, match="vec16"):
+        kv_caches_to_buffers(tensors, MODEL, "vec16")
+    with pytest.raises(UnsupportedTypeError, match="fp8"):
+        vllm_cpu_descriptor(MODEL, "amx", torch.float8_e4m3fn)
+    with pytest.raises(ModelMismatchError):
+        kv_caches_to_buffers(tensors[:1], MODEL, "vec")
+    cache = kv_caches_to_buffers(tensors, MODEL, "vec")
+    with pytest.raises(InteropError, match="null block"):
+        read_sequence(cache, [0, 1, 4], T)
