@@ -76,7 +76,9 @@ class ServerProcess:
         return f"{self.url}/v1"
 
     def __enter__(self) -> ServerProcess:
-        return self.start().wait_ready()
+        if self.process is None:  # `with ServerProcess(...).start():` must not start a second
+            self.start()
+        return self.wait_ready()
 
     def start(self) -> ServerProcess:
         """Launch the process (it loads the model before it answers)."""
