@@ -12,12 +12,9 @@ connector (kvabi's tiers).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 ENV = {
@@ -69,13 +66,9 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--job", required=True, type=Path)
-    parser.add_argument("--out", required=True, type=Path)
-    args = parser.parse_args(argv)
-    result = run(json.loads(args.job.read_text(encoding="utf-8")))
-    args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    return 0
+    from kvabi.bench.vllm_kv_worker import job_main
+
+    return job_main(run, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

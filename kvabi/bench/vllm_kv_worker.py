@@ -142,14 +142,19 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def job_main(run_job: Any, description: str, argv: list[str] | None = None) -> int:
+    """`--job J --out R`: run the JSON job in J, write the JSON result to R (both workers)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--job", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args(argv)
-    result = run(json.loads(args.job.read_text(encoding="utf-8")))
+    result = run_job(json.loads(args.job.read_text(encoding="utf-8")))
     args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return job_main(run, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

@@ -15,17 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from kvabi.bench.vllm_handoff import VLLM_PYTHON, prepare, run_connector_worker
+from kvabi.bench.vllm_handoff import prepare, run_connector_worker
 from tests.cache.redis_server import RedisServer
+from tests.interop.vllm_marks import VLLM_MARKS
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        not VLLM_PYTHON.exists(),
-        reason="vLLM is not installed: scripts/setup_vllm.sh creates .venv-vllm",
-    ),
-]
+pytestmark = VLLM_MARKS
 BS = 128
 
 

@@ -17,7 +17,6 @@ import torch
 
 from kvabi.abi.convert import read_planes
 from kvabi.bench.vllm_handoff import (
-    VLLM_PYTHON,
     Handoff,
     kvabi_export,
     kvabi_from_vllm,
@@ -25,15 +24,9 @@ from kvabi.bench.vllm_handoff import (
     run_worker,
 )
 from kvabi.wire import read_container
+from tests.interop.vllm_marks import VLLM_MARKS
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        not VLLM_PYTHON.exists(),
-        reason="vLLM is not installed: scripts/setup_vllm.sh creates .venv-vllm",
-    ),
-]
+pytestmark = VLLM_MARKS
 PRESET = {"fp32": "vllm-cpu-vec", "bf16": "vllm-cpu-amx"}
 
 
