@@ -32,7 +32,7 @@ class BufferSpec:
 
     @property
     def num_bytes(self) -> int:
-        return _numel(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return _numel(self.shape) * self.dtype.itemsize
 
     def dim(self, letter: str) -> int:
         """The tensor dimension of axis `letter` (its outer part when tiled)."""

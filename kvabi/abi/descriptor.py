@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from kvabi.abi.axes import tile_product
 from kvabi.abi.errors import DescriptorError
@@ -92,8 +92,24 @@ class LayerSpec:
         return self.num_kv_heads if self.kind == ATTN else (1 if self.kind == MLA else 0)
 
 
+class _CachedHash:
+    """Hash once: descriptors key `lru_cache`s on hot paths (every section of every container
+    read), and hashing 30+ nested layer specs each time was most of a one-block read. The cached
+    value is dropped when pickled (str hashes differ between processes)."""
+
+    def __hash__(self) -> int:
+        value = self.__dict__.get("_hash")
+        if value is None:
+            value = hash(tuple(getattr(self, f.name) for f in fields(self)))  # type: ignore[arg-type]
+            object.__setattr__(self, "_hash", value)
+        return value
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+
 @dataclass(frozen=True)
-class ModelSpec:
+class ModelSpec(_CachedHash):
     """What the cache holds, independent of any engine.
 
     `k_post_rope`: K is stored after RoPE. `rope_pairing`: the order of K's rotary dims
@@ -106,6 +122,7 @@ class ModelSpec:
     k_post_rope: bool = True
     rope_pairing: str = "half"
     rope_dim: int = 0
+    __hash__ = _CachedHash.__hash__  # explicit, or @dataclass would generate its own
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -149,12 +166,13 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
-class Descriptor:
+class Descriptor(_CachedHash):
     """A KV cache's full description: the model part and the layout part."""
 
     model: ModelSpec
     layout: Layout
     version: tuple[int, int] = field(default=(ABI_MAJOR, ABI_MINOR))
+    __hash__ = _CachedHash.__hash__  # explicit, or @dataclass would generate its own
 
     def __post_init__(self) -> None:
         # A descriptor is written as the lowest version that has the features it uses, so a

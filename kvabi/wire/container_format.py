@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from functools import lru_cache
 
 import xxhash
 
@@ -128,6 +129,7 @@ class SectionLayout:
         )
 
 
+@lru_cache(maxsize=4096)  # pure, and asked for once per section of every container read
 def section_layout(desc: Descriptor, layer_id: int, extent: int) -> SectionLayout:
     """Buffers of `layer_id` each at the next multiple of ALIGN; payload_len ends at the last."""
     specs = tuple(layer_buffer_specs(desc, layer_id, extent))
