@@ -19,17 +19,26 @@ from kvabi.abi.compat import check_compatible
 from kvabi.abi.descriptor import ATTN, Descriptor, Layout, Plane
 from kvabi.abi.errors import IncompatibleError
 from kvabi.abi.rope import permute_pairing
-from kvabi.abi.tiled_view import CanonicalView, gather, scatter
+from kvabi.abi.tiled_view import (
+    CanonicalView,
+    gather,
+    gather_blocks,
+    scatter,
+    scatter_blocks,
+)
 
 GroupViews = list[tuple[tuple[Plane, ...], CanonicalView]]
 
 
 @dataclass(frozen=True)
 class SlotMap:
-    """Token t of a sequence lives at (block_ids[t], slots[t]) of its cache."""
+    """Token t of a sequence lives at (block_ids[t], slots[t]) of its cache. When the tokens
+    fill whole blocks of a paged cache, `table` names those blocks in order (then whole blocks
+    move at once)."""
 
     block_ids: torch.Tensor  # [num_tokens] int64
     slots: torch.Tensor  # [num_tokens] int64
+    table: torch.Tensor | None = None  # [num_tokens // block_size] int64
 
     @classmethod
     def build(
@@ -47,7 +56,21 @@ class SlotMap:
                 )
             return cls(torch.zeros_like(t), t)
         bs = layout.block_size
-        return cls(block_table_for(layout, num_tokens, block_table, num_blocks)[t // bs], t % bs)
+        table = block_table_for(layout, num_tokens, block_table, num_blocks)
+        return cls(table[t // bs], t % bs, None if num_tokens % bs else table)
+
+    def gather(self, view: CanonicalView) -> torch.Tensor:
+        """The stored content of the mapped tokens: `[T, H, C]` (a copy)."""
+        if self.table is not None:
+            return gather_blocks(view, self.table)
+        return gather(view, self.block_ids, self.slots)
+
+    def scatter(self, view: CanonicalView, values: torch.Tensor) -> None:
+        """Store `values` `[T, H, C]` at the mapped tokens, in place."""
+        if self.table is not None:
+            scatter_blocks(view, self.table, values)
+        else:
+            scatter(view, self.block_ids, self.slots, values)
 
 
 def block_table_for(
@@ -254,7 +277,7 @@ def _copy_tokens(
     dst_views: list[GroupViews],
     dst_map: SlotMap,
 ) -> None:
-    planes = _read_planes(layer_id, srcs, src_views, src_map)  # name -> [T, H_total, width]
+    planes = _read_planes(layer_id, srcs, src_views, src_map, is_native=True)  # [T, H, width]
     src_pairing, dst_pairing = srcs[0].desc.model.rope_pairing, outs[0].desc.model.rope_pairing
     model = srcs[0].desc.model
     if "k" in planes and src_pairing != dst_pairing:
@@ -262,27 +285,38 @@ def _copy_tokens(
     for out, views in zip(outs, dst_views, strict=True):
         lay = out.desc.layout
         for group, view in views:
-            values = torch.cat(
+            values = _cat(
                 [_shard(planes[p.name], lay, model.layers[layer_id].kind) for p in group], dim=-1
             )
             encoded = encode(values, lay, layer_id, group)
-            scatter(view, dst_map.block_ids, dst_map.slots, encoded)
+            dst_map.scatter(view, encoded)
 
 
 def _read_planes(
-    layer_id: int, srcs: Sequence[CacheBuffers], src_views: list[GroupViews], src_map: SlotMap
+    layer_id: int,
+    srcs: Sequence[CacheBuffers],
+    src_views: list[GroupViews],
+    src_map: SlotMap,
+    is_native: bool = False,
 ) -> dict[str, torch.Tensor]:
+    """`{plane: [T, heads, width]}` in float32, or with `is_native` in the stored dtype where
+    that is exact (unquantised caches: encoding casts it as it would the float32 copy)."""
     shards: dict[str, list[torch.Tensor]] = {}
     is_attn = srcs[0].desc.model.layers[layer_id].kind == ATTN
     for src, views in zip(srcs if is_attn else srcs[:1], src_views, strict=False):
         for group, view in views:
-            stored = gather(view, src_map.block_ids, src_map.slots)
-            values = decode(stored, src.desc.layout, layer_id, group)
+            stored = src_map.gather(view)
+            if not (is_native and src.desc.layout.quant == "none"):
+                stored = decode(stored, src.desc.layout, layer_id, group)
             start = 0
             for p in group:
-                shards.setdefault(p.name, []).append(values[..., start : start + p.width])
+                shards.setdefault(p.name, []).append(stored[..., start : start + p.width])
                 start += p.width
-    return {name: torch.cat(parts, dim=1) for name, parts in shards.items()}
+    return {name: _cat(parts, dim=1) for name, parts in shards.items()}
+
+
+def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
 def _shard(values: torch.Tensor, layout: Layout, kind: str) -> torch.Tensor:

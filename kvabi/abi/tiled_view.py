@@ -88,3 +88,35 @@ def scatter(
         return
     parts = values.reshape(len(slots), *view.h_parts, *view.c_parts).to(view.dtype)
     view.split[view.slot_index(block_ids, slots)] = parts
+
+
+def gather_blocks(view: CanonicalView, table: torch.Tensor) -> torch.Tensor:
+    """The stored content of whole blocks `table`, in order: `[len(table) * N, H, C]`."""
+    blocks, slots, heads, width = view.shape
+    if isinstance(view, torch.Tensor):
+        return view[table].reshape(-1, heads, width)
+    return view.split[table].reshape(-1, heads, width)
+
+
+def scatter_blocks(view: CanonicalView, table: torch.Tensor, values: torch.Tensor) -> None:
+    """Store `values` `[len(table) * N, H, C]` into whole blocks `table`, in place."""
+    if isinstance(view, torch.Tensor):
+        view[table] = values.reshape(len(table), *view.shape[1:]).to(view.dtype)
+        return
+    parts = values.reshape(len(table), *view.n_parts, *view.h_parts, *view.c_parts)
+    parts = parts.to(view.dtype)
+    start = 0
+    for run in _runs(table.tolist()):  # a strided copy per run of consecutive blocks:
+        view.split[run.start : run.stop].copy_(parts[start : start + len(run)])  # no index_put
+        start += len(run)
+
+
+def _runs(ids: list[int]) -> list[range]:
+    """`ids` as maximal runs of consecutive integers, in order."""
+    runs: list[range] = []
+    for i in ids:
+        if runs and runs[-1].stop == i:
+            runs[-1] = range(runs[-1].start, i + 1)
+        else:
+            runs.append(range(i, i + 1))
+    return runs

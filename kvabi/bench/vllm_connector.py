@@ -5,23 +5,27 @@ vLLM (in `.venv-vllm`, the repo on PYTHONPATH) loads it by module path:
 
     kv_transfer_config={"kv_connector": "KvabiConnector", "kv_role": "kv_both",
                         "kv_connector_module_path": "kvabi.bench.vllm_connector",
-                        "kv_connector_extra_config": {"model": DESCRIPTOR_JSON,
+                        "kv_connector_extra_config": {"store": DESCRIPTOR_JSON,
                                                       "disk_dir": DIR, "redis_url": URL}}
 
-A block is named by its ABI block hash (vLLM's block size is the hashing block size; the
-request's `cache_salt` enters the root) and
-stored as a one-block container in vLLM's own layout (`vllm-cpu-*`, converted on read if a
-writer used another). Only the scheduler side touches the tiers: it reads and verifies a
-prompt's entries (checksums, model, block hash, tokens) before it reports a hit, so a bad or
-foreign entry, or a tier that is down, is a miss and vLLM recomputes; it hands the verified
-bytes to the worker, which converts them into vLLM's blocks before the forward (a synchronous
-load). After the forward the worker encodes the prompt blocks the step completed and returns
-them in its step output; the scheduler side writes them down.
+The store descriptor names the model and the layout and block size of the entries: one-block
+containers keyed by their ABI block hash, exactly what kvabi's engine keeps in the same tiers
+(with kvabi's engine descriptor, the two engines share one store). vLLM's block size must be a
+multiple of the store's (128 = 8 x 16); otherwise the connector refuses to start. One vLLM
+block is then `ratio` store blocks; the request's `cache_salt` enters the hash chain's root.
+Only the scheduler side touches the tiers: it reads and verifies a prompt's entries (checksums,
+model, block hash, tokens) before it reports a hit, so a bad or foreign entry, or a tier that
+is down, is a miss and vLLM recomputes; it hands the verified bytes to the worker, which
+converts them into vLLM's blocks (preset `vllm-cpu-*` of the layers' ISA) before the forward
+(a synchronous load). After the forward the worker converts the prompt blocks the step
+completed into the store's layout and returns the entries in its step output; the scheduler
+side writes them down.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,27 +38,35 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvabi.abi.block_hash import hash_blocks, root_hash
-from kvabi.abi.buffers import CacheBuffers, buffer_specs
+from kvabi.abi.buffers import CacheBuffers
+from kvabi.abi.convert import convert
 from kvabi.abi.descriptor import Descriptor
 from kvabi.abi.errors import KvabiError
+from kvabi.cache.block_codec import BlockCodec, stack_blocks
+from kvabi.cache.block_pool import BlockKey
+from kvabi.cache.tier import KVTier
 from kvabi.cache.tier_config import TierConfig
-from kvabi.interop.vllm_cache import kv_caches_to_buffers, read_sequence, write_sequence
-from kvabi.wire import container_bytes, read_container
+from kvabi.interop.vllm_cache import (
+    check_block_ids,
+    kv_caches_to_buffers,
+    store_ratio,
+    write_sequence,
+)
+from kvabi.wire import read_container
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Load:
-    block_ids: list[int]  # vLLM blocks to fill, one per entry
-    entries: list[bytes]  # verified one-block containers, in prompt order
+    block_ids: list[int]  # vLLM blocks to fill
+    entries: list[bytes]  # verified store entries, in prompt order (`ratio` per vLLM block)
 
 
 @dataclass
 class Save:
-    block_ids: list[int]  # full prompt blocks this step completes
-    token_ids: list[int]  # their tokens
-    block_hashes: list[bytes]
+    block_ids: list[int]  # full prompt blocks (vLLM's) this step completes
+    keys: list[BlockKey]  # their store blocks (`ratio` per vLLM block)
 
 
 @dataclass
@@ -76,83 +88,108 @@ class KvabiWorkerMetadata(KVConnectorWorkerMetadata):
 
 
 @dataclass
+class TransferStats:
+    """The worker side's work: store blocks placed into / read out of vLLM's cache."""
+
+    num_loaded: int = 0
+    num_saved: int = 0
+    bytes_loaded: int = 0  # K/V payload bytes
+    bytes_saved: int = 0
+    load_s: float = 0.0  # verify + convert into vLLM's blocks
+    save_s: float = 0.0  # convert out of vLLM's blocks + encode
+
+
+@dataclass
 class _Request:
     """A running request as the scheduler side follows it."""
 
     token_ids: list[int]
-    block_hashes: list[bytes]
-    block_ids: list[int] = field(default_factory=list)
-    num_saved: int = 0  # leading blocks already in the tiers (loaded, or saved)
+    keys: list[BlockKey]  # the prompt's full store blocks
+    block_ids: list[int] = field(default_factory=list)  # vLLM's
+    num_saved: int = 0  # leading vLLM blocks already in the tiers (loaded, or saved)
 
 
 class KvabiConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
-        self.model = Descriptor.from_json(extra["model"]).model
+        self.store = Descriptor.from_json(extra["store"])
+        self.model, self.codec = self.store.model, BlockCodec(self.store)
         self.block_size = vllm_config.cache_config.block_size
+        self.ratio = store_ratio(self.block_size, self.store)
         self._roots: dict[str | None, bytes] = {}  # per cache_salt
-        self.tiers = []
+        self.tiers: list[KVTier] = []
         if role == KVConnectorRole.SCHEDULER:
             config = TierConfig(disk_dir=extra.get("disk_dir"), redis_url=extra.get("redis_url"))
             self.tiers = config.build(self.model.compat_digest())
+        self._down: set[str] = set()  # tiers reported down (warned once per outage)
         self._requests: dict[str, _Request] = {}
         self._matched: dict[str, list[bytes]] = {}  # entries found, waiting for blocks
         self._loads: list[Load] = []
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._cache: CacheBuffers | None = None
         self._encoded: list[tuple[bytes, bytes]] = []
+        self.stats = TransferStats()
 
     # ---- scheduler side ----
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple:
         ids = list(request.prompt_token_ids)
-        hashes = hash_blocks(ids, self.block_size, self._root(getattr(request, "cache_salt", None)))
-        state = _Request(ids, hashes)
-        self._requests[request.request_id] = state
-        first = num_computed_tokens // self.block_size
-        usable = hashes[first : (len(ids) - 1) // self.block_size]  # the last token is run
-        entries = self._fetch(usable, ids, first)
-        if not entries:
+        keys = self._keys(ids, getattr(request, "cache_salt", None))
+        self._requests[request.request_id] = _Request(ids, keys)
+        bs, r = self.block_size, self.ratio
+        first, last = num_computed_tokens // bs, (len(ids) - 1) // bs  # the last token is run
+        entries = self._fetch(keys[first * r : last * r])
+        num_blocks = len(entries) // r  # whole vLLM blocks only
+        if not num_blocks:
             return 0, False
-        self._matched[request.request_id] = entries
-        return first * self.block_size + len(entries) * self.block_size - num_computed_tokens, False
+        self._matched[request.request_id] = entries[: num_blocks * r]
+        return (first + num_blocks) * bs - num_computed_tokens, False
 
-    def _root(self, salt: str | None) -> bytes:
-        """The hash chain's root: the model's digest and the request's cache_salt (tenants
-        with different salts never share a block, as in kvabi's engine)."""
+    def _keys(self, ids: list[int], salt: str | None) -> list[BlockKey]:
+        """The prompt's full store blocks. The chain's root is the model's digest and the
+        request's cache_salt (tenants with different salts never share a block, as in kvabi's
+        engine)."""
         if salt not in self._roots:
             extras = {"cache_salt": salt} if salt else None
             self._roots[salt] = root_hash(self.model.compat_digest(), extras)
-        return self._roots[salt]
+        bs = self.store.layout.block_size
+        hashes = hash_blocks(ids, bs, self._roots[salt])
+        return [BlockKey(h, tuple(ids[i * bs : (i + 1) * bs])) for i, h in enumerate(hashes)]
 
-    def _fetch(self, hashes: list[bytes], ids: list[int], first: int) -> list[bytes]:
-        """The verified entries of the longest run of `hashes` that some tier holds."""
+    def _fetch(self, keys: list[BlockKey]) -> list[bytes]:
+        """The verified entries of the longest leading run of `keys` that some tier holds."""
         found = []
-        for i, block_hash in enumerate(hashes):
-            start = (first + i) * self.block_size
-            entry = self._entry(block_hash, ids[start : start + self.block_size])
+        for key in keys:
+            entry = self._entry(key)
             if entry is None:
                 break
             found.append(entry)
         return found
 
-    def _entry(self, block_hash: bytes, token_ids: list[int]) -> bytes | None:
+    def _entry(self, key: BlockKey) -> bytes | None:
         """The first tier's entry that verifies; a bad entry is removed (and recomputed)."""
         for tier in self.tiers:
-            data = tier.get_many([block_hash])[0]
+            data = tier.get_many([key.block_hash])[0]
+            self._check_up(tier)
             if data is None:
                 continue
             try:
-                c = read_container(bytes(data), expect=self.model)
-                if c.block_hashes != [block_hash] or list(c.token_ids) != token_ids:
-                    raise KvabiError("the entry holds another block than its hash names")
-            except KvabiError as exc:  # checksum, format, another model: never a load
-                log.warning("kvabi: %s entry %s refused: %s", tier.name, block_hash.hex(), exc)
-                tier.remove(block_hash)
+                self.codec.decode(data, key)  # checksums, model, block hash and tokens
+            except KvabiError as exc:  # never a load
+                log.warning("kvabi: %s entry %s refused: %s", tier.name, key.block_hash.hex(), exc)
+                tier.remove(key.block_hash)
                 continue
             return bytes(data)
         return None
+
+    def _check_up(self, tier: KVTier) -> None:
+        """Warn once when a tier goes down (it then answers "absent": vLLM recomputes)."""
+        if tier.is_down and tier.name not in self._down:
+            log.warning("kvabi: tier %s is down; its blocks are misses until it is back", tier.name)
+            self._down.add(tier.name)
+        elif not tier.is_down:
+            self._down.discard(tier.name)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
         entries = self._matched.pop(request.request_id, [])
@@ -160,7 +197,8 @@ class KvabiConnector(KVConnectorBase_V1):
             return
         block_ids = list(blocks.get_block_ids()[0])
         first = request.num_computed_tokens // self.block_size
-        self._loads.append(Load(block_ids[first : first + len(entries)], entries))
+        num_blocks = len(entries) // self.ratio
+        self._loads.append(Load(block_ids[first : first + num_blocks], entries))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         meta, self._loads = KvabiMetadata(loads=self._loads), []
@@ -184,13 +222,12 @@ class KvabiConnector(KVConnectorBase_V1):
 
     def _collect(self, state: _Request, done: int, after: int, meta: KvabiMetadata) -> None:
         """Queue the full prompt blocks this step completes (those before `done` exist)."""
-        bs = self.block_size
+        bs, r = self.block_size, self.ratio
         state.num_saved = max(state.num_saved, done // bs)
         end = min(after, len(state.token_ids)) // bs
         if end > state.num_saved:
-            span = slice(state.num_saved, end)
-            tokens = state.token_ids[state.num_saved * bs : end * bs]
-            meta.saves.append(Save(state.block_ids[span], tokens, state.block_hashes[span]))
+            keys = state.keys[state.num_saved * r : end * r]
+            meta.saves.append(Save(state.block_ids[state.num_saved : end], keys))
             state.num_saved = end
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -199,6 +236,7 @@ class KvabiConnector(KVConnectorBase_V1):
             for block_hash, entry in meta.entries:
                 for tier in self.tiers:
                     tier.put(block_hash, entry)
+                    self._check_up(tier)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
         self._requests.pop(request.request_id, None)
@@ -225,9 +263,17 @@ class KvabiConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         cache = self._vllm_cache(forward_context)
         for load in meta.loads:
-            for block_id, entry in zip(load.block_ids, load.entries, strict=True):
-                src = read_container(entry, expect=self.model).cache  # verified on the way in
-                write_sequence(src, cache, [block_id], self.block_size)
+            start = time.perf_counter()
+            src = stack_blocks([self._store_block(entry) for entry in load.entries])
+            write_sequence(src, cache, load.block_ids, len(load.block_ids) * self.block_size)
+            self.stats.load_s += time.perf_counter() - start
+            self.stats.num_loaded += len(load.entries)
+            self.stats.bytes_loaded += src.num_bytes
+
+    def _store_block(self, entry: bytes) -> CacheBuffers:
+        """An entry's block in the store's layout (verified again: these bytes crossed)."""
+        block = read_container(entry, expect=self.model).cache
+        return block if block.desc == self.store else convert(block, self.store)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -236,25 +282,22 @@ class KvabiConnector(KVConnectorBase_V1):
         return None  # whole blocks are encoded once the forward is done (wait_for_save)
 
     def wait_for_save(self) -> None:
-        meta, bs = self._get_connector_metadata(), self.block_size
+        meta = self._get_connector_metadata()
         for save in meta.saves:
-            blocks = read_sequence(self._cache, save.block_ids, len(save.block_ids) * bs)
-            for i, block_hash in enumerate(save.block_hashes):
-                tokens = save.token_ids[i * bs : (i + 1) * bs]
-                self._encoded.append(
-                    (block_hash, container_bytes(_block(blocks, i), tokens, [block_hash]))
-                )
+            start = time.perf_counter()
+            check_block_ids(save.block_ids)
+            num_tokens = len(save.block_ids) * self.block_size
+            blocks = convert(
+                self._cache, self.store, num_tokens=num_tokens, src_block_ids=save.block_ids
+            )
+            for i, key in enumerate(save.keys):
+                self._encoded.append((key.block_hash, self.codec.encode(blocks, i, key)))
+            self.stats.save_s += time.perf_counter() - start
+            self.stats.num_saved += len(save.keys)
+            self.stats.bytes_saved += blocks.num_bytes
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if not self._encoded:
             return None
         meta, self._encoded = KvabiWorkerMetadata(self._encoded), []
         return meta
-
-
-def _block(cache: CacheBuffers, index: int) -> CacheBuffers:
-    """Block `index` of a paged cache, as a one-block cache (views)."""
-    specs = buffer_specs(cache.desc, cache.extent)
-    return CacheBuffers(
-        cache.desc, {s.key: cache.tensors[s.key].narrow(s.dim("B"), index, 1) for s in specs}
-    )

@@ -4,10 +4,12 @@ Runs in vLLM's interpreter with the repo on PYTHONPATH (like vllm_kv_worker.py):
 
     PYTHONPATH=. .venv-vllm/bin/python kvabi/bench/vllm_connector_worker.py --job J --out R
 
-Job: {"model_dir", "dtype", "model" (descriptor JSON), "prompts" ([{"ids": [...],
-"cache_salt": optional}]), "max_tokens", "disk_dir" (or null), "redis_url" (or null)}.
-vLLM's own prefix cache is off, so every cached token a request reports came through the
-connector (kvabi's tiers).
+Job: {"model_dir", "dtype", "store" (the store's descriptor JSON), "prompts" ([{"ids": [...],
+"cache_salt": optional}]), "max_tokens", "disk_dir" (or null), "redis_url" (or null),
+"connector" (default true: false runs vLLM alone), "prefix_caching" (vLLM's own; default
+false, so that every cached token a request reports came through the connector)}.
+The result has each prompt's tokens, cached tokens, wall time and TTFT (from vLLM's request
+metrics), and the worker-side connector's transfer stats.
 """
 
 from __future__ import annotations
@@ -30,20 +32,22 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     from vllm.config import KVTransferConfig
 
     start = time.perf_counter()
-    extra = {"model": job["model"], "disk_dir": job["disk_dir"], "redis_url": job["redis_url"]}
+    extra = {"store": job["store"], "disk_dir": job["disk_dir"], "redis_url": job["redis_url"]}
     config = KVTransferConfig(
         kv_connector="KvabiConnector",
         kv_connector_module_path="kvabi.bench.vllm_connector",
         kv_role="kv_both",
         kv_connector_extra_config=extra,
     )
+    use_connector = job.get("connector", True)
     llm = vllm.LLM(
         model=job["model_dir"],
         dtype=job["dtype"],
         max_model_len=2048,
         enforce_eager=True,
-        enable_prefix_caching=False,
-        kv_transfer_config=config,
+        enable_prefix_caching=job.get("prefix_caching", False),
+        kv_transfer_config=config if use_connector else None,
+        disable_log_stats=False,  # per-request metrics: the TTFT
         seed=0,
     )
     startup = time.perf_counter() - start
@@ -60,9 +64,21 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                 "tokens": list(out.outputs[0].token_ids),
                 "num_cached_tokens": out.num_cached_tokens,
                 "wall_s": time.perf_counter() - begin,
+                "ttft_s": out.metrics.first_token_latency if out.metrics else None,
             }
         )
-    return {"startup_s": startup, "runs": runs}
+    return {"startup_s": startup, "runs": runs, "transfer": _transfer_stats(use_connector)}
+
+
+def _transfer_stats(use_connector: bool) -> dict[str, Any] | None:
+    """The worker-side connector's stats (the engine runs in this process)."""
+    if not use_connector:
+        return None
+    from dataclasses import asdict
+
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return asdict(get_kv_transfer_group().stats)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -141,19 +141,20 @@ def run_worker(h: Handoff, dtype: str, import_path: Path | None, timeout_s: int 
 
 
 def run_connector_worker(
-    h: Handoff, dtype: str, prompts: list[dict], tag: str, **tiers: str | None
+    h: Handoff, dtype: str, prompts: list[dict], tag: str, **options: Any
 ) -> dict:
-    """One vLLM process with kvabi's KV connector over `tiers` (disk_dir, redis_url)."""
+    """One vLLM process with kvabi's KV connector over a store in kvabi's engine layout (the
+    options: disk_dir, redis_url, and connector=False / prefix_caching=True; see the worker)."""
     job = {
         "model_dir": str(h.out_dir / "hf"),
         "dtype": VLLM_DTYPES[dtype],
-        "model": h.descriptor().to_json(),
+        "store": h.descriptor().to_json(),
         "prompts": prompts,
         "max_tokens": h.max_tokens,
-        "disk_dir": tiers.get("disk_dir"),
-        "redis_url": tiers.get("redis_url"),
+        "disk_dir": None,
+        "redis_url": None,
     }
-    return _spawn(CONNECTOR_WORKER, job, h.out_dir / f"connector-{tag}")
+    return _spawn(CONNECTOR_WORKER, job | options, h.out_dir / f"connector-{tag}")
 
 
 def _spawn(worker: Path, job: dict, stem: Path, timeout_s: int = 900) -> dict:
@@ -163,6 +164,8 @@ def _spawn(worker: Path, job: dict, stem: Path, timeout_s: int = 900) -> dict:
     env = os.environ | {"PYTHONPATH": str(ROOT)}
     cmd = [str(VLLM_PYTHON), str(worker), "--job", str(job_path), "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    stem.with_suffix(".log").write_text(proc.stderr, encoding="utf-8")
+
     if proc.returncode != 0:
         raise RuntimeError(f"{worker.name} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(out.read_text(encoding="utf-8"))

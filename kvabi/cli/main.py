@@ -162,6 +162,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from kvabi.bench.disagg_bench import run as run_disagg
 
         run_disagg(args.quick, args.json)
+    elif args.what == "vllm":
+        from kvabi.bench.vllm_bench import run as run_vllm
+
+        run_vllm(args.quick, args.json)
     return 0
 
 
@@ -199,7 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     p.set_defaults(fn=cmd_chat)
     p = sub.add_parser("bench", help="benchmarks, as ratios against a same-run baseline")
-    p.add_argument("what", choices=["convert", "throughput", "serve", "prefix", "memory", "disagg"])
+    p.add_argument(
+        "what", choices=["convert", "throughput", "serve", "prefix", "memory", "disagg", "vllm"]
+    )
+
     p.add_argument(
         "--dtype",
         action="append",

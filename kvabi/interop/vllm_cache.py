@@ -18,6 +18,7 @@ from kvabi.abi.buffers import CacheBuffers
 from kvabi.abi.codec import TORCH_DTYPES
 from kvabi.abi.convert import convert
 from kvabi.abi.descriptor import Descriptor, ModelSpec
+from kvabi.abi.errors import IncompatibleError
 from kvabi.abi.presets import preset_descriptor
 from kvabi.interop.errors import InteropError, ModelMismatchError, UnsupportedTypeError
 
@@ -77,3 +78,16 @@ def write_sequence(
     """Place `src`'s first `num_tokens` tokens (any layout of the model) into vLLM's blocks."""
     check_block_ids(block_ids)
     convert(src, cache.desc, num_tokens=num_tokens, dst_block_ids=block_ids, out=cache)
+
+
+def store_ratio(vllm_block_size: int, store: Descriptor) -> int:
+    """How many store blocks make one vLLM block; refuses block sizes that do not tile."""
+    if not store.layout.is_paged:
+        raise IncompatibleError("the store's descriptor must be paged (one entry per block)")
+    bs = store.layout.block_size
+    if vllm_block_size % bs:
+        raise IncompatibleError(
+            f"vLLM's block size {vllm_block_size} is not a multiple of the store's block size "
+            f"{bs}: a vLLM block would split store entries (use a store block size dividing it)"
+        )
+    return vllm_block_size // bs

@@ -8,10 +8,13 @@ import torch
 from kvabi.abi.buffers import CacheBuffers
 from kvabi.abi.convert import convert
 from kvabi.abi.descriptor import Descriptor, Layout
+from kvabi.abi.errors import IncompatibleError
+from kvabi.abi.presets import preset_descriptor
 from kvabi.interop.errors import InteropError, ModelMismatchError, UnsupportedTypeError
 from kvabi.interop.vllm_cache import (
     kv_caches_to_buffers,
     read_sequence,
+    store_ratio,
     vllm_cpu_descriptor,
     write_sequence,
 )
@@ -71,3 +74,15 @@ def test_refusals():
     cache = kv_caches_to_buffers(tensors, MODEL, "vec")
     with pytest.raises(InteropError, match="null block"):
         read_sequence(cache, [0, 1, 4], T)
+
+
+def test_store_block_size_must_divide_vllms():
+    """The connector's store entries tile vLLM's blocks, or the connector refuses to start."""
+    assert store_ratio(128, preset_descriptor("vllm-flash-attn", MODEL, block_size=16)) == 8
+    assert store_ratio(128, preset_descriptor("vllm-cpu-amx", MODEL, block_size=128)) == 1
+    with pytest.raises(IncompatibleError, match="not a multiple of the store's block size 48"):
+        store_ratio(128, preset_descriptor("vllm-flash-attn", MODEL, block_size=48))
+    with pytest.raises(IncompatibleError, match="not a multiple"):
+        store_ratio(128, preset_descriptor("vllm-flash-attn", MODEL, block_size=256))
+    with pytest.raises(IncompatibleError, match="paged"):
+        store_ratio(128, preset_descriptor("hf-dynamic", MODEL))
