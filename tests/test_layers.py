@@ -3,7 +3,19 @@
 import ast
 from pathlib import Path
 
-LAYERS = ["abi", "wire", "interop", "cache", "models", "engine", "disagg", "server", "bench", "cli"]
+LAYERS = [
+    "abi",
+    "wire",
+    "interop",
+    "cache",
+    "connectors",
+    "models",
+    "engine",
+    "disagg",
+    "server",
+    "bench",
+    "cli",
+]
 ROOT = Path(__file__).resolve().parents[1] / "kvabi"
 
 

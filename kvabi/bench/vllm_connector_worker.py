@@ -35,7 +35,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     extra = {"store": job["store"], "disk_dir": job["disk_dir"], "redis_url": job["redis_url"]}
     config = KVTransferConfig(
         kv_connector="KvabiConnector",
-        kv_connector_module_path="kvabi.bench.vllm_connector",
+        kv_connector_module_path="kvabi.connectors.vllm_connector",
         kv_role="kv_both",
         kv_connector_extra_config=extra,
     )

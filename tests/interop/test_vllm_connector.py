@@ -1,4 +1,4 @@
-"""kvabi as vLLM's KV connector (kvabi/bench/vllm_connector.py): real vLLM processes, one store
+"""kvabi as vLLM's KV connector (kvabi/connectors/vllm_connector.py): real vLLM processes, one store
 shared with kvabi's engine.
 
 vLLM's own prefix cache is off in each vLLM process, so every cached token it reports came from

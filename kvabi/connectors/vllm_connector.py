@@ -4,7 +4,7 @@
 vLLM (in `.venv-vllm`, the repo on PYTHONPATH) loads it by module path:
 
     kv_transfer_config={"kv_connector": "KvabiConnector", "kv_role": "kv_both",
-                        "kv_connector_module_path": "kvabi.bench.vllm_connector",
+                        "kv_connector_module_path": "kvabi.connectors.vllm_connector",
                         "kv_connector_extra_config": {"store": DESCRIPTOR_JSON,
                                                       "disk_dir": DIR, "redis_url": URL}}
 

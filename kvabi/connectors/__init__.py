@@ -1,0 +1,1 @@
+"""Plug-ins that make other engines use kvabi's store (vLLM's KV connector)."""
