@@ -67,18 +67,20 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                 "ttft_s": out.metrics.first_token_latency if out.metrics else None,
             }
         )
-    return {"startup_s": startup, "runs": runs, "transfer": _transfer_stats(use_connector)}
+    return {"startup_s": startup, "runs": runs, "transfer": _transfer_stats(llm, use_connector)}
 
 
-def _transfer_stats(use_connector: bool) -> dict[str, Any] | None:
-    """The worker-side connector's stats (the engine runs in this process)."""
+def _transfer_stats(llm: Any, use_connector: bool) -> dict[str, Any] | None:
+    """The connector's stats, both sides (the engine runs in this process)."""
     if not use_connector:
         return None
     from dataclasses import asdict
 
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    return asdict(get_kv_transfer_group().stats)
+    scheduler = asdict(llm.llm_engine.engine_core.engine_core.scheduler.connector.stats)
+    worker = asdict(get_kv_transfer_group().stats)
+    return {k: scheduler[k] + worker[k] for k in worker}  # each side counts its own fields
 
 
 def main(argv: list[str] | None = None) -> int:

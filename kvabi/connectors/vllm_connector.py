@@ -15,11 +15,11 @@ multiple of the store's (128 = 8 x 16); otherwise the connector refuses to start
 block is then `ratio` store blocks; the request's `cache_salt` enters the hash chain's root.
 Only the scheduler side touches the tiers: it reads and verifies a prompt's entries (checksums,
 model, block hash, tokens) before it reports a hit, so a bad or foreign entry, or a tier that
-is down, is a miss and vLLM recomputes; it hands the verified bytes to the worker, which
-converts them into vLLM's blocks (preset `vllm-cpu-*` of the layers' ISA) before the forward
-(a synchronous load). After the forward the worker converts the prompt blocks the step
-completed into the store's layout and returns the entries in its step output; the scheduler
-side writes them down.
+is down, is a miss and vLLM recomputes; it hands the verified blocks to the worker (in the
+connector metadata), which converts them into vLLM's blocks (preset `vllm-cpu-*` of the
+layers' ISA) before the forward (a synchronous load). After the forward the worker converts
+the prompt blocks the step completed into the store's layout and returns the entries in its
+step output; the scheduler side writes them down.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ from kvabi.interop.vllm_cache import (
     store_ratio,
     write_sequence,
 )
-from kvabi.wire import read_container
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +59,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class Load:
     block_ids: list[int]  # vLLM blocks to fill
-    entries: list[bytes]  # verified store entries, in prompt order (`ratio` per vLLM block)
+    blocks: list[CacheBuffers]  # verified store blocks, in prompt order (`ratio` per vLLM block)
 
 
 @dataclass
@@ -89,13 +88,17 @@ class KvabiWorkerMetadata(KVConnectorWorkerMetadata):
 
 @dataclass
 class TransferStats:
-    """The worker side's work: store blocks placed into / read out of vLLM's cache."""
+    """The connector's work. Scheduler side: entries fetched from the tiers and verified, and
+    written down. Worker side: store blocks placed into / read out of vLLM's cache."""
 
+    num_fetched: int = 0
+    fetch_s: float = 0.0  # tier reads + verification
+    write_s: float = 0.0  # tier writes
     num_loaded: int = 0
     num_saved: int = 0
     bytes_loaded: int = 0  # K/V payload bytes
     bytes_saved: int = 0
-    load_s: float = 0.0  # verify + convert into vLLM's blocks
+    load_s: float = 0.0  # convert into vLLM's blocks
     save_s: float = 0.0  # convert out of vLLM's blocks + encode
 
 
@@ -124,7 +127,7 @@ class KvabiConnector(KVConnectorBase_V1):
             self.tiers = config.build(self.model.compat_digest())
         self._down: set[str] = set()  # tiers reported down (warned once per outage)
         self._requests: dict[str, _Request] = {}
-        self._matched: dict[str, list[bytes]] = {}  # entries found, waiting for blocks
+        self._matched: dict[str, list[CacheBuffers]] = {}  # blocks found, waiting for vLLM's
         self._loads: list[Load] = []
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._cache: CacheBuffers | None = None
@@ -139,11 +142,11 @@ class KvabiConnector(KVConnectorBase_V1):
         self._requests[request.request_id] = _Request(ids, keys)
         bs, r = self.block_size, self.ratio
         first, last = num_computed_tokens // bs, (len(ids) - 1) // bs  # the last token is run
-        entries = self._fetch(keys[first * r : last * r])
-        num_blocks = len(entries) // r  # whole vLLM blocks only
+        found = self._fetch(keys[first * r : last * r])
+        num_blocks = len(found) // r  # whole vLLM blocks only
         if not num_blocks:
             return 0, False
-        self._matched[request.request_id] = entries[: num_blocks * r]
+        self._matched[request.request_id] = found[: num_blocks * r]
         return (first + num_blocks) * bs - num_computed_tokens, False
 
     def _keys(self, ids: list[int], salt: str | None) -> list[BlockKey]:
@@ -157,30 +160,31 @@ class KvabiConnector(KVConnectorBase_V1):
         hashes = hash_blocks(ids, bs, self._roots[salt])
         return [BlockKey(h, tuple(ids[i * bs : (i + 1) * bs])) for i, h in enumerate(hashes)]
 
-    def _fetch(self, keys: list[BlockKey]) -> list[bytes]:
-        """The verified entries of the longest leading run of `keys` that some tier holds."""
-        found = []
+    def _fetch(self, keys: list[BlockKey]) -> list[CacheBuffers]:
+        """The verified blocks of the longest leading run of `keys` that some tier holds."""
+        start, found = time.perf_counter(), []
         for key in keys:
             entry = self._entry(key)
             if entry is None:
                 break
             found.append(entry)
+        self.stats.fetch_s += time.perf_counter() - start
+        self.stats.num_fetched += len(found)
         return found
 
-    def _entry(self, key: BlockKey) -> bytes | None:
-        """The first tier's entry that verifies; a bad entry is removed (and recomputed)."""
+    def _entry(self, key: BlockKey) -> CacheBuffers | None:
+        """The block of the first tier's entry that verifies; a bad entry is removed (and
+        recomputed). The block views a private copy of the entry's bytes."""
         for tier in self.tiers:
             data = tier.get_many([key.block_hash])[0]
             self._check_up(tier)
             if data is None:
                 continue
             try:
-                self.codec.decode(data, key)  # checksums, model, block hash and tokens
+                return self.codec.decode(bytearray(data), key)  # checksums, model, hash, tokens
             except KvabiError as exc:  # never a load
                 log.warning("kvabi: %s entry %s refused: %s", tier.name, key.block_hash.hex(), exc)
                 tier.remove(key.block_hash)
-                continue
-            return bytes(data)
         return None
 
     def _check_up(self, tier: KVTier) -> None:
@@ -192,13 +196,13 @@ class KvabiConnector(KVConnectorBase_V1):
             self._down.discard(tier.name)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
-        entries = self._matched.pop(request.request_id, [])
-        if not num_external_tokens or not entries:
+        found = self._matched.pop(request.request_id, [])
+        if not num_external_tokens or not found:
             return
         block_ids = list(blocks.get_block_ids()[0])
         first = request.num_computed_tokens // self.block_size
-        num_blocks = len(entries) // self.ratio
-        self._loads.append(Load(block_ids[first : first + num_blocks], entries))
+        num_blocks = len(found) // self.ratio
+        self._loads.append(Load(block_ids[first : first + num_blocks], found))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         meta, self._loads = KvabiMetadata(loads=self._loads), []
@@ -233,10 +237,12 @@ class KvabiConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KvabiWorkerMetadata):
+            start = time.perf_counter()
             for block_hash, entry in meta.entries:
                 for tier in self.tiers:
                     tier.put(block_hash, entry)
                     self._check_up(tier)
+            self.stats.write_s += time.perf_counter() - start
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
         self._requests.pop(request.request_id, None)
@@ -264,16 +270,12 @@ class KvabiConnector(KVConnectorBase_V1):
         cache = self._vllm_cache(forward_context)
         for load in meta.loads:
             start = time.perf_counter()
-            src = stack_blocks([self._store_block(entry) for entry in load.entries])
+            same = [b if b.desc == self.store else convert(b, self.store) for b in load.blocks]
+            src = stack_blocks(same)  # in the store's layout, blocks 0, 1, ...
             write_sequence(src, cache, load.block_ids, len(load.block_ids) * self.block_size)
             self.stats.load_s += time.perf_counter() - start
-            self.stats.num_loaded += len(load.entries)
+            self.stats.num_loaded += len(load.blocks)
             self.stats.bytes_loaded += src.num_bytes
-
-    def _store_block(self, entry: bytes) -> CacheBuffers:
-        """An entry's block in the store's layout (verified again: these bytes crossed)."""
-        block = read_container(entry, expect=self.model).cache
-        return block if block.desc == self.store else convert(block, self.store)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None

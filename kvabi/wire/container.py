@@ -11,6 +11,8 @@ import mmap
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import lru_cache
+
 from typing import BinaryIO, NamedTuple
 
 import numpy as np
@@ -198,7 +200,7 @@ def _read_meta(src: _Source, expect: ModelSpec | None) -> ContainerMeta:
 
 
 def _parse_meta(header: Header, body: memoryview) -> ContainerMeta:
-    desc = Descriptor.from_json(bytes(body[: header.desc_len]))
+    desc = _descriptor(bytes(body[: header.desc_len]))
     token_ids = np.frombuffer(body, "<u4", header.num_tokens, header.desc_len).tolist()
     start = header.desc_len + TOKEN_BYTES * header.num_tokens
     hashes = [
@@ -206,6 +208,13 @@ def _parse_meta(header: Header, body: memoryview) -> ContainerMeta:
         for i in range(header.num_hashes)
     ]
     return ContainerMeta(header, desc, token_ids, hashes)
+
+
+@lru_cache(maxsize=64)
+def _descriptor(text: bytes) -> Descriptor:
+    """One parse per distinct descriptor: a store's entries repeat theirs, and equal text gives
+    the same (immutable) object, whose section layouts are then memoised too."""
+    return Descriptor.from_json(text)
 
 
 def _check_meta(meta: ContainerMeta, expect: ModelSpec | None) -> None:
