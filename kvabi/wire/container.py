@@ -12,7 +12,6 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
-
 from typing import BinaryIO, NamedTuple
 
 import numpy as np
