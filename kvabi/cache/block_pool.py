@@ -13,13 +13,19 @@ Eviction order, which `allocate` follows and the tests pin:
 Taking a cached block out of the queue to reuse its memory evicts it: its hash leaves the index
 and, when `record_evictions` is on, it is reported by `pop_evicted` so the caller can write its
 data down a tier before anything overwrites it.
+
+Given a `BlockEventSink` (`events`), the pool tells it of every change to its index: a block
+registered under its hash (with its parent hash and tokens), a cached block evicted or dropped,
+the index emptied (kvabi/cache/block_events.py; KV events for prefix-aware routers).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from kvabi.cache.block_events import BlockEventSink
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -28,10 +34,12 @@ class NoFreeBlocksError(RuntimeError):
 
 @dataclass(frozen=True)
 class BlockKey:
-    """What a cached block holds: its chained block hash and its own tokens."""
+    """What a cached block holds: its chained block hash and its own tokens; `parent_hash`,
+    the hash it chains from (None for a chain's first block, or unknown), is only reported."""
 
     block_hash: bytes
     token_ids: tuple[int, ...]
+    parent_hash: bytes | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -43,11 +51,17 @@ class EvictedBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, record_evictions: bool = False) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        record_evictions: bool = False,
+        events: BlockEventSink | None = None,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.record_evictions = record_evictions
+        self.events = events  # told of each change to the index (a server may set it later)
         self.ref_counts = [0] * num_blocks
         self.keys: list[BlockKey | None] = [None] * num_blocks  # set while a block is cached
         self.num_evictions = 0
@@ -127,6 +141,8 @@ class BlockPool:
             return False
         self.keys[block_id] = key
         self._by_hash[key.block_hash] = block_id
+        if self.events is not None:
+            self.events.stored(key.block_hash, key.parent_hash, key.token_ids)
         return True
 
     def cached_block(self, block_hash: bytes) -> int | None:
@@ -149,10 +165,16 @@ class BlockPool:
         """Forget every free cached block (they become empty); return how many."""
         dropped = list(self._cached)
         self._cached.clear()
+        is_all = len(dropped) == len(self._by_hash)  # held cached blocks stay indexed
         for i in dropped:
-            del self._by_hash[self.keys[i].block_hash]
+            block_hash = self.keys[i].block_hash
+            del self._by_hash[block_hash]
             self.keys[i] = None
             self._empty[i] = None
+            if self.events is not None and not is_all:
+                self.events.removed(block_hash)
+        if self.events is not None and is_all:
+            self.events.cleared()
         return len(dropped)
 
     def _evict(self, block_id: int) -> None:
@@ -162,5 +184,7 @@ class BlockPool:
         del self._by_hash[key.block_hash]
         self.keys[block_id] = None
         self.num_evictions += 1
+        if self.events is not None:
+            self.events.removed(key.block_hash)
         if self.record_evictions:
             self._evicted.append(EvictedBlock(block_id, key))

@@ -49,10 +49,17 @@ class PrefixCache:
             parent = hashes[-1] if hashes else root
             hashes.append(hash_block(parent, token_ids[i * bs : (i + 1) * bs]))
 
-    def keys(self, hashes: Sequence[bytes], token_ids: Sequence[int]) -> list[BlockKey]:
-        """Each hashed block's key: its hash and its tokens."""
+    def keys(
+        self, hashes: Sequence[bytes], token_ids: Sequence[int], parent: bytes | None = None
+    ) -> list[BlockKey]:
+        """Each hashed block's key: its hash, its tokens and its parent (the hash before it in
+        `hashes`; `parent` for the first, None when `hashes` starts the chain)."""
         bs = self.block_size
-        return [BlockKey(h, tuple(token_ids[i * bs : (i + 1) * bs])) for i, h in enumerate(hashes)]
+        parents = [parent, *hashes[:-1]]
+        return [
+            BlockKey(h, tuple(token_ids[i * bs : (i + 1) * bs]), parents[i])
+            for i, h in enumerate(hashes)
+        ]
 
     def num_pooled(self, hashes: Sequence[bytes]) -> int:
         """Length of the leading run of `hashes` the pool holds."""
@@ -83,7 +90,8 @@ class PrefixCache:
         """Index a sequence's blocks `start .. stop-1` (full and computed) under their keys."""
         bs = self.block_size
         for i in range(start, stop):
-            key = BlockKey(hashes[i], tuple(token_ids[i * bs : (i + 1) * bs]))
+            parent = hashes[i - 1] if i > 0 else None
+            key = BlockKey(hashes[i], tuple(token_ids[i * bs : (i + 1) * bs]), parent)
             self.pool.cache_block(block_ids[i], key)
 
     def pooled_blocks(self, hashes: Sequence[bytes]) -> list[int]:

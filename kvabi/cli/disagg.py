@@ -22,16 +22,28 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         help="a prefill instance: its server URL and its KV endpoint (repeatable)",
     )
     p.add_argument("--decode", action="append", default=[], metavar="URL", help="(repeatable)")
+    p.add_argument(
+        "--kv-events",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("URL", "ENDPOINT"),
+        help="route by cached prefix: instance URL (a --decode or --prefill one) publishes its "
+        "KV events on ZMQ ENDPOINT (its `kvabi serve --kv-events`; repeatable)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def cmd_router(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from kvabi.disagg.prefix_routing import EventSource
     from kvabi.disagg.router import PrefillTarget, RouterConfig, create_router_app
 
     config = RouterConfig(
-        tuple(PrefillTarget(url, kv) for url, kv in args.prefill), tuple(args.decode)
+        tuple(PrefillTarget(url, kv) for url, kv in args.prefill),
+        tuple(args.decode),
+        kv_events=tuple(EventSource(url, endpoint) for url, endpoint in args.kv_events),
     )
     print(f"kvabi router: http://{args.host}:{args.port}/v1 -> {config}", flush=True)
     uvicorn.run(create_router_app(config), host=args.host, port=args.port, log_level=args.log_level)

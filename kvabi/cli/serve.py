@@ -30,6 +30,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queued", type=int, default=256, help="requests waiting, then 503")
     p.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--kv-events",
+        metavar="ENDPOINT",
+        help="publish block events in vLLM's KV-event format on this ZMQ endpoint "
+        "(e.g. tcp://127.0.0.1:5557; off by default), for prefix-aware routers",
+    )
+    p.add_argument("--kv-events-replay", metavar="ENDPOINT", help="ZMQ endpoint for replays")
     g = p.add_argument_group("disaggregation (kvabi router sends requests to decode instances)")
     g.add_argument("--role", choices=["both", "prefill", "decode"], default="both")
     g.add_argument("--kv-address", default="127.0.0.1:8100", help="prefill: KV endpoint to bind")
@@ -98,6 +105,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or None,
         max_body_bytes=args.max_body_bytes,
         max_queued=args.max_queued,
+        kv_events=args.kv_events,
+        kv_events_replay=args.kv_events_replay,
     )
     print(
         banner(settings.model_name, args.host, args.port, settings.api_key is not None), flush=True

@@ -52,7 +52,8 @@ def inject_blocks(
     last = min(last, first + room)
     if payload.start_token % bs or held < first or last <= held:
         return InjectResult(held * bs, 0)
-    keys = engine.prefix.keys(hashes[first:last], token_ids[first * bs :])
+    parent = hashes[first - 1] if first else None
+    keys = engine.prefix.keys(hashes[first:last], token_ids[first * bs :], parent)
     return InjectResult(last * bs, _place(engine, payload, keys, pooled))
 
 

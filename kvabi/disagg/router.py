@@ -1,8 +1,12 @@
 """`kvabi router`: the OpenAI-compatible front door of a disaggregated deployment.
 
-Each generation request goes to a decode instance (round robin) with the prefill instance it
-should fetch the prompt's KV from (round robin, named by its KV endpoint in `X-Kvabi-Prefill`);
-the decode instance fetches, decodes and streams, and the router passes the bytes through.
+Each generation request goes to a decode instance with the prefill instance it should fetch
+the prompt's KV from (named by its KV endpoint in `X-Kvabi-Prefill`); the decode instance
+fetches, decodes and streams, and the router passes the bytes through. Without prefill
+instances the "decode" instances are plain colocated `kvabi serve` instances.
+Both choices go round robin; with instances that publish KV events (`kv_events`), each goes
+to the instance holding the longest prefix of the request, then the least loaded one
+(`prefix_routing.py`). `X-Kvabi-Cached-Tokens` tells how much the chosen instance held.
 Faults: a decode instance that cannot be reached, fails with a 5xx, or drops a non-streamed
 request before its answer is retried on the next one; when none is left the request goes to a
 prefill instance, which is a whole engine and serves it colocated. A streamed answer cut after
@@ -15,18 +19,22 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import httpx
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from kvabi.disagg.prefix_routing import EventSource, PrefixRouting
+
 log = logging.getLogger("kvabi.router")
 PEER_HEADER = "x-kvabi-prefill"
 INSTANCE_HEADER = "x-kvabi-instance"  # the instance that served the request
 RETRIES_HEADER = "x-kvabi-retries"  # instances that failed it first
+CACHED_HEADER = "x-kvabi-cached-tokens"  # the prompt's tokens the instance held, per its events
 PASSED_HEADERS = ("content-type", "x-kvabi-kv", "retry-after", "cache-control")
 
 
@@ -43,10 +51,15 @@ class RouterConfig:
     timeout_s: float = 600.0  # a whole answer
     connect_timeout_s: float = 5.0
     max_body_bytes: int = 4 * 2**20
+    kv_events: tuple[EventSource, ...] = ()  # instances whose KV events the router follows
 
     def __post_init__(self) -> None:
         if not self.decode and not self.prefill:
             raise ValueError("router: give at least one decode or prefill instance")
+        known = set(self.decode) | {p.url for p in self.prefill}
+        for source in self.kv_events:
+            if source.url not in known:
+                raise ValueError(f"kv_events: {source.url} is not a decode or prefill instance")
 
 
 class Router:
@@ -54,18 +67,19 @@ class Router:
         self.config = config
         timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s)
         self.client = httpx.AsyncClient(timeout=timeout)
-        self._prefill = itertools.cycle(config.prefill) if config.prefill else None
+        self.routing = PrefixRouting(config.kv_events, self.client)
         self._turn = itertools.count()
 
-    def candidates(self) -> list[tuple[str, dict[str, str]]]:
-        """Where to try a request, in order: each decode instance (from the next in turn) with
-        a prefill peer to fetch from, then the prefill instances as colocated engines."""
-        peer = next(self._prefill) if self._prefill is not None else None
-        n = len(self.config.decode)
-        first = next(self._turn) % n if n else 0
-        decode = [self.config.decode[(first + i) % n] for i in range(n)]
-        headers = {PEER_HEADER: peer.kv_address} if peer is not None else {}
-        return [(url, headers) for url in decode] + [(p.url, {}) for p in self.config.prefill]
+    def candidates(self, cached: dict[str, int] | None = None) -> list[tuple[str, dict[str, str]]]:
+        """Where to try a request, in order: each decode instance with a prefill peer to fetch
+        from, then the prefill instances as colocated engines; both by `cached` tokens, then
+        load, then round robin."""
+        cached, turn = cached or {}, next(self._turn)
+        decode = self.routing.order(self.config.decode, turn, cached)
+        by_url = {p.url: p for p in self.config.prefill}
+        prefill = [by_url[u] for u in self.routing.order(list(by_url), turn, cached)]
+        headers = {PEER_HEADER: prefill[0].kv_address} if prefill else {}
+        return [(url, headers) for url in decode] + [(p.url, {}) for p in prefill]
 
     async def forward(self, request: Request, path: str) -> Response:
         """POST the request to the first candidate that serves it (see the module doc)."""
@@ -75,20 +89,32 @@ class Router:
         headers = {k: v for k, v in request.headers.items() if k in ("authorization",)}
         headers["content-type"] = "application/json"
         is_stream = _is_stream(body)
+        cached = (
+            await self.routing.cached_tokens(path, body, headers) if self.routing.sources else {}
+        )
         failures = []
-        for url, extra in self.candidates():
+        for url, extra in self.candidates(cached):
+            self.routing.in_flight[url] += 1
+            done = partial(self._done, url)
             try:
-                response = await self._try(url + path, body, headers | extra, is_stream)
+                response = await self._try(url + path, body, headers | extra, is_stream, done)
             except _Retry as exc:
+                done()
                 log.warning("%s failed (%s); trying the next instance", url, exc)
                 failures.append(f"{url}: {exc}")
                 continue
             response.headers[INSTANCE_HEADER] = url
             response.headers[RETRIES_HEADER] = str(len(failures))
+            response.headers[CACHED_HEADER] = str(cached.get(url, 0))
             return response
         return _error(503, "no instance could serve the request: " + "; ".join(failures))
 
-    async def _try(self, url: str, body: bytes, headers: dict, is_stream: bool) -> Response:
+    def _done(self, url: str) -> None:
+        self.routing.in_flight[url] -= 1
+
+    async def _try(
+        self, url: str, body: bytes, headers: dict, is_stream: bool, done: Callable[[], None]
+    ) -> Response:
         try:
             upstream = await self.client.send(
                 self.client.build_request("POST", url, content=body, headers=headers), stream=True
@@ -106,8 +132,9 @@ class Router:
                 raise _Retry(f"dropped before its answer: {exc}") from exc
             finally:
                 await upstream.aclose()
+            done()
             return Response(content, upstream.status_code, passed)
-        return StreamingResponse(_relay(upstream), upstream.status_code, passed)
+        return StreamingResponse(_relay(upstream, done), upstream.status_code, passed)
 
     async def get(self, path: str) -> Response:
         """GET passed to the first instance that answers (/v1/models)."""
@@ -128,16 +155,17 @@ class Router:
             except httpx.TransportError:
                 status[url] = 0
         ok = any(code == 200 for code in status.values())
-        return JSONResponse(
-            {"status": "ok" if ok else "no instance", "instances": status}, 200 if ok else 503
-        )
+        body = {"status": "ok" if ok else "no instance", "instances": status}
+        if self.routing.sources:
+            body["kv_blocks"] = self.routing.index.num_blocks()  # per instance, from its events
+        return JSONResponse(body, 200 if ok else 503)
 
 
 class _Retry(Exception):
     """This instance failed before anything reached the client; try another."""
 
 
-async def _relay(upstream: httpx.Response) -> AsyncIterator[bytes]:
+async def _relay(upstream: httpx.Response, done: Callable[[], None]) -> AsyncIterator[bytes]:
     try:
         async for chunk in upstream.aiter_raw():
             yield chunk
@@ -152,6 +180,7 @@ async def _relay(upstream: httpx.Response) -> AsyncIterator[bytes]:
         }
         yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
     finally:
+        done()
         await upstream.aclose()
 
 
@@ -174,8 +203,12 @@ def create_router_app(config: RouterConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        yield
-        await router.client.aclose()
+        router.routing.start()
+        try:
+            yield
+        finally:
+            router.routing.close()
+            await router.client.aclose()
 
     app = FastAPI(title="kvabi router", lifespan=lifespan)
     app.state.router = router

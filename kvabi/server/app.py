@@ -25,6 +25,7 @@ from kvabi.disagg.settings import DisaggSettings
 from kvabi.engine.engine import LLMEngine
 from kvabi.server.async_engine import AsyncEngine
 from kvabi.server.errors import APIError, from_validation_error
+from kvabi.server.kv_events import start_publisher, tokenize_routes
 from kvabi.server.kv_roles import DecodeRole, PrefillRole
 from kvabi.server.metrics import ServerMetrics
 from kvabi.server.middleware import BodyLimit, CountResponses
@@ -54,6 +55,9 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        events = None
+        if settings.kv_events is not None:  # before the engine thread touches the pool
+            events = start_publisher(engine, settings.kv_events, settings.kv_events_replay)
         engine_loop.start()
         try:
             if prefill is not None:
@@ -66,11 +70,14 @@ def create_app(
                 if role is not None:
                     role.stop()
             engine_loop.stop()
+            if events is not None:
+                events.close()
 
     app = FastAPI(title="kvabi", lifespan=lifespan)
     app.state.serving = Serving(engine_loop, metrics, settings, int(time.time()), decode)
     app.include_router(open_routes)
     app.include_router(v1_routes)
+    app.include_router(tokenize_routes, dependencies=[Depends(require_api_key)])
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)

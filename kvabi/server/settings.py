@@ -12,6 +12,8 @@ class ServerSettings:
     max_body_bytes: int = 4 * 2**20
     max_queued: int = 256  # requests that may wait beyond the engine's max_num_seqs
     retry_after_s: int = 1  # told to clients refused for load
+    kv_events: str | None = None  # ZMQ endpoint to publish block events on (vLLM's format)
+    kv_events_replay: str | None = None  # ZMQ endpoint answering replay requests
 
     def __post_init__(self) -> None:
         if not self.model_name:

@@ -1,0 +1,74 @@
+"""The server's KV events: its pool's block events published in vLLM's format, and the route a
+prefix-aware router asks for a request's token ids and hash root.
+
+`kvabi serve --kv-events tcp://127.0.0.1:PORT` (any role) gives the engine's pool a
+`BlockEventLog` and publishes it (kvabi/disagg/kv_event_publisher.py). The router cannot hash a
+request by itself: the tokenizer, the chat template and the model's compat digest live here, so
+`POST /kvabi/tokenize/v1/completions` (or `/v1/chat/completions`) takes the very body the
+generation route takes and answers `{"token_ids", "hash_root", "block_size"}`; the router hashes
+the ids for each block size its instances use (docs: kvabi/disagg/router.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+from fastapi import APIRouter, Request
+from pydantic import ValidationError
+from starlette.responses import JSONResponse
+
+from kvabi.abi.block_hash import root_hash
+from kvabi.cache.block_events import BlockEventLog
+from kvabi.disagg.kv_event_publisher import KVEventPublisher
+from kvabi.engine.engine import LLMEngine
+from kvabi.server.errors import APIError, from_validation_error
+from kvabi.server.prompts import PreparedRequest, prepare_chat, prepare_completion
+from kvabi.server.protocol import ChatRequest, CompletionRequest
+
+R = TypeVar("R", CompletionRequest, ChatRequest)
+tokenize_routes = APIRouter(prefix="/kvabi/tokenize")
+
+
+def start_publisher(
+    engine: LLMEngine, endpoint: str, replay_endpoint: str | None = None
+) -> KVEventPublisher:
+    """Bind the publisher and hand the pool its event log (before the engine thread runs)."""
+    events = BlockEventLog("CPU")  # the pool's blocks live in host memory
+    publisher = KVEventPublisher(endpoint, events, replay_endpoint).start()
+    engine.pool.events = events
+    return publisher
+
+
+@tokenize_routes.post("/v1/completions")
+async def tokenize_completion(request: Request) -> JSONResponse:
+    return await _tokenize(request, CompletionRequest, prepare_completion)
+
+
+@tokenize_routes.post("/v1/chat/completions")
+async def tokenize_chat(request: Request) -> JSONResponse:
+    return await _tokenize(request, ChatRequest, prepare_chat)
+
+
+async def _tokenize(
+    request: Request, schema: type[R], prepare: Callable[[R, LLMEngine], PreparedRequest]
+) -> JSONResponse:
+    """The prompt as the generation route would queue it (same checks, same errors)."""
+    serving = request.app.state.serving
+    try:
+        req = schema.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise from_validation_error(exc) from exc
+    serving.check_model(req.model)
+    engine: LLMEngine = serving.engine
+    prepared = prepare(req, engine)
+    if engine.prefix is None:
+        raise APIError(404, "this instance has no prefix cache", code="no_prefix_cache")
+    salt = prepared.params.cache_salt
+    root = root_hash(engine.prefix.compat_digest, None if salt is None else {"cache_salt": salt})
+    body = {
+        "token_ids": prepared.prompt_ids,
+        "hash_root": root.hex(),
+        "block_size": engine.config.block_size,
+    }
+    return JSONResponse(body)
