@@ -13,6 +13,7 @@ from kvabi.abi.presets import PRESETS, preset_descriptor
 from kvabi.abi.text_form import from_text
 from kvabi.bench.report import print_table
 from kvabi.cli.disagg import add_disagg_args, add_router_args, cmd_disagg, cmd_router
+from kvabi.cli.prefill_worker import add_prefill_worker_args, cmd_prefill_worker
 from kvabi.cli.serve import add_serve_args, add_serve_bench_args, cmd_serve
 
 
@@ -231,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("disagg", help="a router, one prefill and one decode instance, here")
     add_disagg_args(p)
     p.set_defaults(fn=cmd_disagg)
+    p = sub.add_parser("prefill-worker", help="HF or llama.cpp as a prefill KV endpoint")
+    add_prefill_worker_args(p)
+    p.set_defaults(fn=cmd_prefill_worker)
     return parser
 
 
