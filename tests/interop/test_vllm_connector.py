@@ -45,6 +45,7 @@ class Runs:
     c: list[dict]  # P from Redis (one entry foreign), Q salted, Q from kvabi's engine
     kvabi_q: list[int]  # kvabi's engine's own tokens on Q
     disk: Path  # A's folder (vLLM's entries)
+    b_log: str  # B's stderr
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +82,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
         )
     finally:
         server.stop()
-    return Runs(h, p, q, a["runs"], b["runs"], c["runs"], kvabi_q, disk)
+    b_log = (out / "connector-b.log").read_text(encoding="utf-8")
+    return Runs(h, p, q, a["runs"], b["runs"], c["runs"], kvabi_q, disk, b_log)
 
 
 def _hashes(h: Handoff, ids: list[int]) -> list[bytes]:
@@ -140,6 +142,8 @@ def test_restart_finds_prefixes_on_disk_and_a_corrupt_entry_is_a_miss(runs: Runs
     assert p["tokens"] == runs.a[1]["tokens"]
     assert p2["num_cached_tokens"] == 3 * BS  # the bad entry was removed; B saved block 3 anew
     assert p2["tokens"] == runs.a[0]["tokens"]
+    assert runs.b_log.count("kvabi: tier redis is down") == 1  # warned once, then served
+    assert "refused: section" in runs.b_log and "is corrupt" in runs.b_log
 
 
 def test_second_instance_shares_redis_and_refuses_another_models_entry(runs: Runs) -> None:
