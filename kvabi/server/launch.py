@@ -59,8 +59,13 @@ class ServerProcess:
         args: Sequence[str] = (),
         startup_timeout_s: float = 300.0,
         env: dict[str, str] | None = None,
+        host: str = "127.0.0.1",
+        prefix: Sequence[str] = (),
     ) -> None:
+        """`host`: the address it serves on (and is polled at); `prefix`: a command to run it
+        under (e.g. `ip netns exec NAME`)."""
         self.args, self.startup_timeout_s = list(args), startup_timeout_s
+        self.host, self.prefix = host, list(prefix)
         self.env = {**os.environ, **(env or {})}
         self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
@@ -68,7 +73,7 @@ class ServerProcess:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def base_url(self) -> str:
@@ -82,10 +87,12 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         """Launch the process (it loads the model before it answers)."""
-        command = [sys.executable, "-m", "kvabi.cli.main", "serve", "--port", str(self.port)]
+        command = [*self.prefix, sys.executable, "-m", "kvabi.cli.main", "serve"]
+        command += ["--host", self.host, "--port", str(self.port)]
         self.process = subprocess.Popen(
             command + self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env
         )
+
         return self
 
     def wait_ready(self) -> ServerProcess:
