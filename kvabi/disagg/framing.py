@@ -26,7 +26,7 @@ T = TypeVar("T")
 
 LENGTH = struct.Struct("<I")
 MAX_CONTROL_BYTES = 8 * 2**20  # a control message: token ids (4-5 B each) and a descriptor
-CHUNK_BYTES = 4 * 2**20  # the most one send call writes
+CHUNK_BYTES = 4 * 2**20  # the most one send or receive call moves
 SMALL_WRITE_BYTES = 64 * 2**10  # writes gathered into one send up to this size
 
 
@@ -105,8 +105,9 @@ class ChunkedSink:
 
 
 class SocketStream:
-    """A read-only binary stream over a socket for `iter_layers`: reads in bounded chunks,
-    at most `limit` bytes in all (the container's size, known from its header)."""
+    """A read-only binary stream over a socket for `iter_layers`: each read takes what has
+    arrived, at most CHUNK_BYTES, and at most `limit` bytes in all (the container's size,
+    known from its header)."""
 
     def __init__(self, sock: socket.socket, head: bytes, limit: int) -> None:
         self.sock, self.head, self.left = sock, head, limit - len(head)
@@ -118,10 +119,10 @@ class SocketStream:
             n = min(len(view), len(self.head))
             view[:n], self.head = self.head[:n], self.head[n:]
             return n
-        n = min(len(view), self.left)  # the reader bounds len(view)
+        n = min(len(view), self.left, CHUNK_BYTES)
         if n <= 0:
             return 0
-        got = _io(lambda: self.sock.recv_into(view[:n], n))
+        got = _io(lambda: self.sock.recv_into(view, n))
         self.left -= got
         return got
 

@@ -2,9 +2,10 @@
 
 `fetch` sends the prompt, waits (up to the transfer timeout) for the `kv` message, then reads
 the container with `iter_layers`: each layer's section is verified as it arrives, the end record
-last; nothing is returned unless all of it passed and it is exactly the blocks asked for. Reads
-are capped at the announced length, which is checked against what the request can need before
-a byte of payload is read. A connection that saw any error is closed, never reused.
+last; nothing is returned unless all of it passed and it is exactly the blocks asked for. The
+announced length is checked against what the request can need before a buffer is taken; the
+container is received straight into that (reused) buffer and the payload's tensors are views
+of it (`ReceiveBuffers`). A connection that saw any error is closed, never reused.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from kvabi.abi.descriptor import Descriptor
 from kvabi.disagg.errors import MessageTooLargeError, PeerClosedError, TransferError
 from kvabi.disagg.framing import SocketStream, expect, recv_exact, recv_msg, send_msg
 from kvabi.disagg.handshake import client_handshake
-from kvabi.disagg.tcp_server import container_size
+from kvabi.disagg.receive_buffers import ReceiveBuffers
 from kvabi.disagg.transport import (
     FetchRequest,
     KVClient,
@@ -28,7 +29,7 @@ from kvabi.disagg.transport import (
     split_address,
 )
 from kvabi.wire.container import ContainerMeta, LayerSection, iter_layers
-from kvabi.wire.container_format import HEADER, Header
+from kvabi.wire.container_format import HEADER, Header, container_size
 from kvabi.wire.errors import FormatError
 
 
@@ -37,6 +38,7 @@ class TcpKVClient(KVClient):
         self.config, self.address, self.desc = config, address, desc
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
+        self._buffers = ReceiveBuffers()
         conn, self.peer_desc = self._open()  # the handshake happens now, not at a request
         self._idle.append(conn)
 
@@ -70,6 +72,7 @@ class TcpKVClient(KVClient):
     def _open(self) -> tuple[socket.socket, Descriptor]:
         conn = socket.create_connection(split_address(self.address), self.config.io_timeout_s)
         try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(self.config.io_timeout_s)
             return conn, client_handshake(conn, self.config.secret, self.desc)
         except BaseException:
@@ -103,7 +106,8 @@ class TcpKVClient(KVClient):
         conn.settimeout(self.config.io_timeout_s)
         head = recv_exact(conn, HEADER.size)
         limit = self._checked_size(request, reply, Header.parse(memoryview(head)))
-        payload = self._read(SocketStream(conn, head, limit), request, reply["start_token"])
+        stream = SocketStream(conn, head, limit)
+        payload = self._read(stream, self._buffers.take(limit), request, reply["start_token"])
         if time.monotonic() > deadline:
             raise TransferError("the fetch finished after its transfer timeout")
         return payload
@@ -121,9 +125,11 @@ class TcpKVClient(KVClient):
             raise MessageTooLargeError(f"kv reply announces {size} bytes; it can be {cap}")
         return size
 
-    def _read(self, stream: SocketStream, request: FetchRequest, start: int) -> KVPayload:
+    def _read(
+        self, stream: SocketStream, buffer: memoryview, request: FetchRequest, start: int
+    ) -> KVPayload:
         meta, tensors = None, {}
-        for item in iter_layers(stream, expect=self.desc.model):  # type: ignore[arg-type]
+        for item in iter_layers(stream, self.desc.model, buffer):  # type: ignore[arg-type]
             if isinstance(item, ContainerMeta):
                 meta = item
                 if meta.desc != self.peer_desc:

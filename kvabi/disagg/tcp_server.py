@@ -1,9 +1,12 @@
 """The TCP transport's prefill side: one thread per authenticated connection.
 
 A connection handshakes (handshake.py), then serves `fetch` messages one at a time: the
-provider prefills the prompt and returns its blocks, which go back as a `kv` message (the
-container's byte length) followed by the container, written a layer at a time in bounded
-chunks. A provider failure is answered with an `error` message; the connection stays usable.
+provider prefills the prompt and returns its blocks, in full (`KVPayload`) or layer by layer
+as the forward stores them (`KVStream`). Once the first layer is ready a `kv` message (the
+container's byte length) goes back, then the container, each layer's section as soon as that
+layer is ready, in bounded chunks: layer l is on the wire while the prefill computes l + 1.
+A failure before the first layer is answered with an `error` message and the connection stays
+usable; a failure after it closes the connection (the peer sees a truncated container).
 """
 
 from __future__ import annotations
@@ -19,16 +22,18 @@ from kvabi.abi.descriptor import Descriptor
 from kvabi.disagg.errors import MessageTooLargeError, TransferError
 from kvabi.disagg.framing import ChunkedSink, expect, recv_msg, send_msg
 from kvabi.disagg.handshake import server_handshake
+from kvabi.disagg.layer_feed import LayerBuffers
 from kvabi.disagg.transport import (
     FetchRequest,
     KVPayload,
-    KVProvider,
     KVServer,
+    KVStream,
+    StreamProvider,
     TransportConfig,
     split_address,
 )
-from kvabi.wire.container_format import END, HEADER, SECTION_HEADER, padding, section_layouts
-from kvabi.wire.container_writer import write_container
+from kvabi.wire.container_format import HEADER, SECTION_HEADER, container_size, desc_json, padding
+from kvabi.wire.container_writer import ContainerWriter
 
 log = logging.getLogger("kvabi.disagg")
 MAX_CONNECTIONS = 256
@@ -37,7 +42,7 @@ FAULT_ENV = "KVABI_DISAGG_FAULT"  # tests only: e.g. "corrupt,stall:5" (see _Fau
 
 class TcpKVServer(KVServer):
     def __init__(
-        self, config: TransportConfig, address: str, desc: Descriptor, provider: KVProvider
+        self, config: TransportConfig, address: str, desc: Descriptor, provider: StreamProvider
     ) -> None:
         self.config, self.desc, self.provider = config, desc, provider
         self._listener = socket.create_server(split_address(address), backlog=64)
@@ -74,6 +79,7 @@ class TcpKVServer(KVServer):
 
     def _serve(self, conn: socket.socket) -> None:
         try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # we gather small writes
             conn.settimeout(self.config.io_timeout_s)
             server_handshake(conn, self.config.secret, self.desc)
             while not self._closed:
@@ -91,16 +97,20 @@ class TcpKVServer(KVServer):
     def _answer(self, conn: socket.socket, msg: dict) -> None:
         try:
             request = self._request(msg)
-            payload = self.provider(request)
+            stream = _as_stream(self.provider(request))
+            first = next(stream.layers)  # the prefill's failures up to here get an answer
         except Exception as exc:
             log.warning("prefill for a fetch failed: %s", exc)
             send_msg(conn, {"t": "error", "kind": "prefill", "msg": str(exc)[:2000]})
             return
-        self._send_payload(conn, payload)
+        try:
+            self._send_stream(conn, stream, first)
+        finally:
+            stream.layers.close()  # abandons the prefill if sending failed
 
     def _request(self, msg: dict) -> FetchRequest:
         ids, start, salt = msg.get("token_ids"), msg.get("start_token"), msg.get("cache_salt")
-        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+        if not isinstance(ids, list) or not set(map(type, ids)) <= {int}:  # C loops: 1k+ ids
             raise TransferError("fetch: token_ids must be a list of ints")
         if len(ids) > self.config.max_tokens:
             raise MessageTooLargeError(f"fetch: {len(ids)} tokens > {self.config.max_tokens}")
@@ -112,24 +122,23 @@ class TcpKVServer(KVServer):
             raise TransferError("fetch: cache_salt must be a string")
         return FetchRequest(tuple(ids), start, salt)
 
-    def _send_payload(self, conn: socket.socket, payload: KVPayload) -> None:
-        size = container_size(payload.cache.desc, len(payload.token_ids), len(payload.block_hashes))
-        send_msg(conn, {"t": "kv", "start_token": payload.start_token, "num_bytes": size})
+    def _send_stream(self, conn: socket.socket, stream: KVStream, first: LayerBuffers) -> None:
+        """The `kv` message, then the container: each section as its layer arrives."""
+        size = container_size(stream.desc, len(stream.token_ids), len(stream.block_hashes))
+        send_msg(conn, {"t": "kv", "start_token": stream.start_token, "num_bytes": size})
         sink = ChunkedSink(conn, self.config.transfer_timeout_s)
-        write_container(
-            self._fault.wrap(sink, payload), payload.cache, payload.token_ids, payload.block_hashes
+        writer = ContainerWriter(
+            self._fault.wrap(sink, stream), stream.desc, stream.token_ids, stream.block_hashes
         )
+        for layer_id, tensors in itertools.chain([first], stream.layers):
+            writer.write_layer(layer_id, tensors)
+            sink.flush()  # a layer's tail goes now, not with the next layer
+        writer.close()
         sink.flush()
 
 
-def container_size(desc: Descriptor, num_tokens: int, num_hashes: int) -> int:
-    """A container's byte length (docs/ABI.md, section 5), announced before it is sent."""
-    pos = len(desc.to_json().encode()) + HEADER.size + 4 * num_tokens + 32 * num_hashes + 8
-    pos += padding(pos)
-    for layout in section_layouts(desc, num_tokens):
-        pos += SECTION_HEADER.size + layout.payload_len
-        pos += padding(pos)
-    return pos + END.size
+def _as_stream(answer: KVPayload | KVStream) -> KVStream:
+    return KVStream.of(answer) if isinstance(answer, KVPayload) else answer
 
 
 class _Fault:
@@ -149,13 +158,12 @@ class _Fault:
             faults.append((kind, float(arg or 0)))
         return cls(faults)
 
-    def wrap(self, sink: ChunkedSink, payload: KVPayload) -> ChunkedSink | _FaultySink:
-        if not self.faults or payload.cache.extent == 0:
+    def wrap(self, sink: ChunkedSink, stream: KVStream) -> ChunkedSink | _FaultySink:
+        if not self.faults or not stream.token_ids:
             return sink
         kind, seconds = self.faults[next(self.turn) % len(self.faults)]
-        desc = payload.cache.desc
-        head = len(desc.to_json().encode()) + HEADER.size
-        head += 4 * len(payload.token_ids) + 32 * len(payload.block_hashes) + 8
+        head = len(desc_json(stream.desc)) + HEADER.size
+        head += 4 * len(stream.token_ids) + 32 * len(stream.block_hashes) + 8
         head += padding(head) + SECTION_HEADER.size  # the first payload byte
         return _FaultySink(sink, head, kind, seconds)
 

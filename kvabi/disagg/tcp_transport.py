@@ -5,17 +5,19 @@ from __future__ import annotations
 from kvabi.abi.descriptor import Descriptor
 from kvabi.disagg.tcp_client import TcpKVClient
 from kvabi.disagg.tcp_server import TcpKVServer
-from kvabi.disagg.transport import KVClient, KVProvider, KVServer, Transport, TransportConfig
+from kvabi.disagg.transport import KVClient, KVServer, StreamProvider, Transport, TransportConfig
 
 
 class TcpTransport(Transport):
     name = "tcp"
+    streams_layers = True
 
     def __init__(self, config: TransportConfig) -> None:
         self.config = config
 
-    def listen(self, address: str, desc: Descriptor, provider: KVProvider) -> KVServer:
-        """Serve on `address` (default deployments bind 127.0.0.1)."""
+    def listen(self, address: str, desc: Descriptor, provider: StreamProvider) -> KVServer:
+        """Serve on `address` (default deployments bind 127.0.0.1); `provider` may answer
+        with a `KVStream`, sent layer by layer."""
         return TcpKVServer(self.config, address, desc, provider)
 
     def connect(self, address: str, desc: Descriptor) -> KVClient:

@@ -4,18 +4,23 @@ A `Transport` listens (prefill side, serving `KVProvider` answers) and connects 
 a `KVClient` that fetches). Every implementation carries the same thing: the ABI container of
 the requested blocks (descriptor, token ids and block hashes in its meta, then one checksummed
 section per layer), after a connect-time handshake that authenticates the peers and refuses
-incompatible descriptors (`handshake.py`). Implementations: `tcp` (`tcp_server.py`,
-`tcp_client.py`).
+incompatible descriptors (`handshake.py`). A transport that `streams_layers` sends each
+section as soon as the prefill has stored its layer (`KVStream`). Implementations: `tcp`
+(`tcp_server.py`, `tcp_client.py`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
-from kvabi.abi.buffers import CacheBuffers
+import torch
+
+from kvabi.abi.buffers import CacheBuffers, owner_layers
 from kvabi.abi.descriptor import Descriptor
+from kvabi.wire.container_format import extent_for
+from kvabi.wire.container_writer import layer_tensors
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,32 @@ class KVPayload:
         return self.start_token + len(self.token_ids)
 
 
+@dataclass(frozen=True)
+class KVStream:
+    """Blocks of a prompt's KV as the prefill computes them (tokens as in `KVPayload`):
+    `layers` yields each owner layer, ascending, as `(layer_id, buffers)` once the forward
+    has stored it, the buffers `len(token_ids) / block_size` blocks in `desc`'s layout. It
+    blocks until the layer is ready and raises if the prefill fails; close it to abandon."""
+
+    start_token: int
+    token_ids: tuple[int, ...]
+    block_hashes: tuple[bytes, ...]
+    desc: Descriptor
+    layers: Generator[tuple[int, dict[str, torch.Tensor]], None, None]
+
+    @classmethod
+    def of(cls, payload: KVPayload) -> KVStream:
+        """A payload computed in full, as a stream whose layers are all ready."""
+        cache, num_tokens = payload.cache, len(payload.token_ids)
+        extent = extent_for(cache.desc, num_tokens)
+        layers = ((i, layer_tensors(cache, i, extent)) for i in owner_layers(cache.desc))
+        return cls(payload.start_token, payload.token_ids, payload.block_hashes, cache.desc, layers)
+
+
 KVProvider = Callable[[FetchRequest], KVPayload]  # runs the prefill, returns its blocks
+# A transport with `streams_layers` takes this instead: layer l goes on the wire while the
+# prefill computes layer l + 1.
+StreamProvider = Callable[[FetchRequest], KVPayload | KVStream]
 
 
 @dataclass(frozen=True)
@@ -94,6 +124,7 @@ class KVClient(ABC):
 
 class Transport(ABC):
     name: str
+    streams_layers: bool = False  # listen() takes a StreamProvider
 
     @abstractmethod
     def listen(self, address: str, desc: Descriptor, provider: KVProvider) -> KVServer:

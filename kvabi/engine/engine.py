@@ -13,6 +13,7 @@ put first in the pool's eviction order). `cache_stats()` reports it all.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,7 @@ from kvabi.engine.sequence import Sequence
 from kvabi.models.registry import LoadedModel
 
 KV_LAYOUTS = {"nhd": "vllm-flash-attn", "hnd": "vllm-flash-attn-hnd"}
+PromptLayerHook = Callable[[int, tuple[Sequence, ...]], None]  # (layer_id, prompts completed)
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,10 @@ class LLMEngine:
         self.runner = ModelRunner(model, attention)
         self.requests: dict[str, list[Sequence]] = {}
         self._ids = itertools.count()
+        # Set by a prefill instance (kvabi/server/kv_roles.py) to send a prompt's KV layer by
+        # layer: called on this thread once a layer's K/V of a step are stored, with the
+        # sequences whose prompt that step completes. It must not raise.
+        self.on_prompt_layer: PromptLayerHook | None = None
 
     @staticmethod
     def _start(loaded: LoadedModel, config: EngineConfig, fingerprint: str) -> EngineInfo:
@@ -195,13 +201,22 @@ class LLMEngine:
             self.storage.copy_blocks([c.src for c in batch.copies], [c.dst for c in batch.copies])
         if not batch.seqs:
             return []
-        logits = self.runner.run(batch)
+        logits = self.runner.run(batch, self._layer_hook(batch))
         touched = self._postprocess(batch, logits)
         outputs = [request_output(r, self.requests[r]) for r in touched]
         for out in outputs:
             if out.finished:
                 self._end_request(self.requests.pop(out.request_id))
         return outputs
+
+    def _layer_hook(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
+        hook = self.on_prompt_layer
+        if hook is None:
+            return None
+        seqs = tuple(
+            s.seq for s in batch.seqs if s.start < len(s.seq.prompt_ids) <= s.start + s.num_tokens
+        )
+        return (lambda layer_id: hook(layer_id, seqs)) if seqs else None
 
     def cache_stats(self) -> dict[str, float]:
         """Prefix cache and tier metrics as flat `name -> value` (kvabi/cache/cache_stats.py)."""

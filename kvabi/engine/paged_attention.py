@@ -12,7 +12,7 @@ Tests compare them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -56,14 +56,20 @@ class PagedAttention:
             backend = "native" if self.kernels else "batched"
         self.backend = backend  # the one in use
         self._ctx: StepContext | None = None
+        self._on_layer: Callable[[int], None] | None = None
 
     @contextmanager
-    def step(self, ctx: StepContext) -> Iterator[None]:
-        self._ctx = ctx
+    def step(
+        self, ctx: StepContext, on_layer: Callable[[int], None] | None = None
+    ) -> Iterator[None]:
+        """Inside it the model's attention calls see `ctx`; `on_layer(layer_id)` runs after
+        each layer's new K/V are stored, before that layer attends (the next layer runs after
+        it returns)."""
+        self._ctx, self._on_layer = ctx, on_layer
         try:
             yield
         finally:
-            self._ctx = None
+            self._ctx = self._on_layer = None
 
     def __call__(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -71,6 +77,8 @@ class PagedAttention:
         ctx = self._ctx
         assert ctx is not None, "attention called outside `with attention.step(ctx)`"
         self.storage.write(layer_id, ctx.slot_blocks, ctx.slot_offsets, k, v)
+        if self._on_layer is not None:
+            self._on_layer(layer_id)
         if self.backend != "reference" and not ctx.prefills:  # decodes only: rows 0..n-1
             return self._attend_decodes(layer_id, q, ctx)
         out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvabi.engine.paged_attention import PagedAttention, SeqSlice, StepContext
@@ -16,11 +18,14 @@ class ModelRunner:
         self.block_size = attention.storage.block_size
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+    def run(
+        self, batch: ScheduledBatch, on_layer: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
         """Compute the batch's tokens; return float32 logits [num sampling seqs, vocab], in the
-        order of the batch's sequences that sample this step."""
+        order of the batch's sequences that sample this step. `on_layer(layer_id)` runs once
+        each layer's K/V of the step are stored (`PagedAttention.step`)."""
         ids, positions, ctx, sample_rows = self._prepare(batch)
-        with self.attention.step(ctx):
+        with self.attention.step(ctx, on_layer):
             hidden = self.model.hidden_states(ids, positions, self.attention)
         return self.model.compute_logits(hidden[sample_rows]).float()
 

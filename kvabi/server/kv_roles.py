@@ -2,10 +2,13 @@
 endpoint; a decode instance fetches it before it admits a request (kvabi/disagg).
 
 Prefill: a fetch arrives on a transport thread; the prompt is admitted like any request with
-`max_tokens=1` (so it is batched with the others), and when it ends its pooled blocks are
-copied out on the engine thread and sent. Decode: before a request is queued, the pool is
-asked what it already holds, the rest is fetched from the named prefill peer and placed in the
-pool as cached blocks (engine thread); the request then hits them. Any failure of that path
+`max_tokens=1` (so it is batched with the others). With a transport that streams layers (tcp),
+the step that completes the prompt copies each layer's blocks out as soon as the forward has
+stored them (`LLMEngine.on_prompt_layer`), and the transport's thread sends that layer while
+the forward computes the next; otherwise the pooled blocks are copied out when it ends.
+Decode: before a request is queued, the pool is asked what it already holds, the rest is
+fetched from the named prefill peer and placed in the pool as cached blocks (engine thread);
+the request then hits them. Any failure of that path
 (peer gone, timeout, checksum, refusal) only means the decode instance prefills the prompt
 itself: the request is served either way, and its `X-Kvabi-KV` header says which way.
 """
@@ -14,13 +17,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections import Counter
 
-from kvabi.disagg.kv_export import export_blocks
+from kvabi.abi.block_hash import hash_blocks, root_hash
+from kvabi.abi.buffers import CacheBuffers, owner_layers
+from kvabi.disagg.errors import TransferError
+from kvabi.disagg.kv_export import export_blocks, layer_blocks
 from kvabi.disagg.kv_inject import fetch_start, inject_blocks, num_held_tokens, stage_payload
+from kvabi.disagg.layer_feed import LayerFeed
 from kvabi.disagg.settings import DisaggSettings
-from kvabi.disagg.transport import FetchRequest, KVClient, KVPayload, KVServer
+from kvabi.disagg.transport import (
+    FetchRequest,
+    KVClient,
+    KVPayload,
+    KVServer,
+    KVStream,
+    StreamProvider,
+)
 from kvabi.engine.sampling_params import SamplingParams
+from kvabi.engine.sequence import Sequence
 from kvabi.server.async_engine import AsyncEngine
 from kvabi.server.request_handle import EngineError
 
@@ -34,14 +50,19 @@ class PrefillRole:
         self.settings, self.engine = settings, engine
         self.server: KVServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._feeds: dict[str, tuple[LayerFeed, slice]] = {}  # request id -> feed, its blocks
+        self._feeds_lock = threading.Lock()
 
     def start(self) -> None:
         """Listen on the KV endpoint; call from the event loop, after the engine started."""
         self._loop = asyncio.get_running_loop()
         desc = self.engine.engine.info.descriptor
-        self.server = self.settings.make_transport().listen(
-            self.settings.kv_address, desc, self._provide
-        )
+        transport = self.settings.make_transport()
+        provider: StreamProvider = self._provide
+        if transport.streams_layers:
+            self.engine.engine.on_prompt_layer = self._layer_stored
+            provider = self._provide_stream
+        self.server = transport.listen(self.settings.kv_address, desc, provider)
         log.info("prefill KV endpoint on %s", self.server.address)
 
     def stop(self) -> None:
@@ -68,6 +89,64 @@ class PrefillRole:
         finally:
             self.engine.abort(handle)  # no-op once finished
         return await self.engine.call(lambda engine: export_blocks(engine, request))
+
+    def _provide_stream(self, request: FetchRequest) -> KVPayload | KVStream:
+        """On a transport thread: the prompt's full blocks from `start_token` on, each layer
+        as the forward stores it (`_layer_stored`); nothing to send runs no prefill."""
+        assert self._loop is not None
+        engine = self.engine.engine
+        desc, ids = engine.info.descriptor, engine.prompt_ids(list(request.token_ids))
+        bs, salt = desc.layout.block_size, request.cache_salt
+        blocks = slice(request.start_token // bs, len(ids) // bs)
+        if blocks.start >= blocks.stop:
+            return KVPayload(request.start_token, (), (), CacheBuffers.empty(desc, 0))
+        root = root_hash(desc.model.compat_digest(), None if salt is None else {"cache_salt": salt})
+        hashes = hash_blocks(ids, bs, root)[blocks]
+        feed = LayerFeed(owner_layers(desc), self.settings.transfer_timeout_s)
+        future = asyncio.run_coroutine_threadsafe(self._stream(ids, salt, feed, blocks), self._loop)
+        feed.on_abandon = future.cancel  # the sender gave up: abort the prefill
+        tokens = tuple(ids[blocks.start * bs : blocks.stop * bs])
+        return KVStream(request.start_token, tokens, tuple(hashes), desc, feed.layers())
+
+    async def _stream(
+        self, ids: list[int], salt: str | None, feed: LayerFeed, blocks: slice
+    ) -> None:
+        params = SamplingParams(max_tokens=1, temperature=0, cache_salt=salt)
+        handle = None
+        try:
+            with self._feeds_lock:  # registered before the engine thread can step the request
+                handle = self.engine.submit(ids, params)
+                self._feeds[handle.request_id] = (feed, blocks)
+            async for out in handle.updates():
+                if out.finished:
+                    break
+            if not feed.is_complete:
+                feed.fail(TransferError("the prefill ended before every layer was stored"))
+        except BaseException as exc:
+            feed.fail(TransferError(f"the prefill failed: {exc!r}"))
+            raise
+        finally:
+            if handle is not None:
+                with self._feeds_lock:
+                    self._feeds.pop(handle.request_id, None)
+                self.engine.abort(handle)  # no-op once finished
+
+    def _layer_stored(self, layer_id: int, seqs: tuple[Sequence, ...]) -> None:
+        """On the engine thread, mid-forward: copy this layer of each streamed prompt's blocks
+        (a few memcpys) and hand it to its sender, then let the forward go on."""
+        for seq in seqs:
+            with self._feeds_lock:
+                entry = self._feeds.get(seq.request_id)
+            if entry is None:
+                continue
+            feed, blocks = entry
+            try:
+                feed.put(
+                    layer_id,
+                    layer_blocks(self.engine.engine.storage, layer_id, seq.block_ids[blocks]),
+                )
+            except Exception as exc:  # never fail the engine's step for one transfer
+                feed.fail(exc)
 
 
 class DecodeRole:

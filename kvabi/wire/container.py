@@ -1,7 +1,8 @@
 """Reading and writing containers: one sequence's cache as a file or a byte stream.
 
 The writer streams a layer at a time; `read_container` maps a file and returns zero-copy tensor
-views after verifying every checksum; `iter_layers` yields each layer as its section arrives.
+views after verifying every checksum; `iter_layers` yields each layer as its section arrives
+(into a caller's buffer, when given one, with the tensors zero-copy views of it).
 Byte layout: kvabi/wire/container_format.py and docs/ABI.md, section 5.
 """
 
@@ -99,14 +100,18 @@ def read_container(
 
 
 def iter_layers(
-    stream: BinaryIO, expect: ModelSpec | None = None
+    stream: BinaryIO, expect: ModelSpec | None = None, into: memoryview | None = None
 ) -> Iterator[ContainerMeta | LayerSection]:
     """Yield the verified ContainerMeta, then a LayerSection per section as it arrives.
 
     Each section's checksum is verified before it is yielded; the end record is checked when
     the iterator is exhausted (consume it fully). The stream is left just after the end record.
+    With `into` (a writable buffer of exactly the container's size, known from its header),
+    the stream is read ahead into it in as few reads as the stream allows and the tensors are
+    views of it; a container that would not fit is refused (TruncatedError), never grown.
+    Without it, each record gets its own buffer and only what it needs is read.
     """
-    src = _StreamSource(stream)
+    src = _StreamSource(stream) if into is None else _ReadAheadSource(stream, into)
     meta = _read_meta(src, expect)
     yield meta
     checksums = []
@@ -156,7 +161,31 @@ class _StreamSource:
         return memoryview(buf)
 
 
-_Source = _BufferSource | _StreamSource
+class _ReadAheadSource:
+    def __init__(self, stream: BinaryIO, buffer: memoryview) -> None:
+        self.stream, self.buffer = stream, buffer.cast("B")
+        self.pos = self.filled = 0
+
+    def take(self, n: int, what: str) -> memoryview:
+        end = self.pos + n
+        if end > len(self.buffer):
+            raise TruncatedError(
+                f"the {what} needs bytes {self.pos}..{end}, the container's "
+                f"{len(self.buffer)} bytes end first"
+            )
+        while self.filled < end:  # read ahead: whatever has arrived, up to the container's end
+            got = self.stream.readinto(self.buffer[self.filled :])
+            if not got:
+                raise TruncatedError(
+                    f"the {what} needs bytes {self.pos}..{end}, the stream ended at byte "
+                    f"{self.filled}"
+                )
+            self.filled += got
+        self.pos = end
+        return self.buffer[end - n : end]
+
+
+_Source = _BufferSource | _StreamSource | _ReadAheadSource
 
 
 class _Section(NamedTuple):

@@ -141,15 +141,22 @@ def section_layout(desc: Descriptor, layer_id: int, extent: int) -> SectionLayou
     return SectionLayout(layer_id, specs, tuple(offsets), end)
 
 
-def section_layouts(desc: Descriptor, num_tokens: int) -> list[SectionLayout]:
+@lru_cache(maxsize=256)  # hashing a descriptor costs: once per container, not per section
+def section_layouts(desc: Descriptor, num_tokens: int) -> tuple[SectionLayout, ...]:
     """The sections of a container, in order: one per owner layer, ascending."""
     extent = extent_for(desc, num_tokens)
-    return [section_layout(desc, i, extent) for i in owner_layers(desc)]
+    return tuple(section_layout(desc, i, extent) for i in owner_layers(desc))
+
+
+@lru_cache(maxsize=64)
+def desc_json(desc: Descriptor) -> bytes:
+    """The descriptor as the container stores it (UTF-8 JSON), made once per descriptor."""
+    return desc.to_json().encode()
 
 
 def container_size(desc: Descriptor, num_tokens: int, num_hashes: int) -> int:
     """Total bytes of a container; a writer's output is exactly this long."""
-    meta_end = HEADER.size + len(desc.to_json().encode()) + TOKEN_BYTES * num_tokens
+    meta_end = HEADER.size + len(desc_json(desc)) + TOKEN_BYTES * num_tokens
     meta_end += HASH_BYTES * num_hashes + CHECKSUM_BYTES
     size = meta_end + padding(meta_end)
     for layout in section_layouts(desc, num_tokens):

@@ -20,6 +20,7 @@ from kvabi.wire.container_format import (
     Header,
     SectionLayout,
     checksum,
+    desc_json,
     end_record,
     extent_for,
     padding,
@@ -76,10 +77,10 @@ class ContainerWriter:
         self._is_closed = True
 
     def _write_meta(self, tokens: bytes, hashes: bytes) -> None:
-        desc_json = self.desc.to_json().encode()
+        desc_text = desc_json(self.desc)
         num_tokens, num_hashes = len(tokens) // TOKEN_BYTES, len(hashes) // HASH_BYTES
-        header = Header(len(desc_json), num_tokens, num_hashes, len(self._layouts))
-        parts = (header.pack(), desc_json, tokens, hashes)
+        header = Header(len(desc_text), num_tokens, num_hashes, len(self._layouts))
+        parts = (header.pack(), desc_text, tokens, hashes)
         self._write(*parts, U64.pack(checksum(*parts)))
 
     def _write(self, *parts: bytes | memoryview) -> None:
@@ -124,7 +125,7 @@ def write_container(
             f"holds {cache.extent}"
         )
     for layer_id in owner_layers(cache.desc):
-        writer.write_layer(layer_id, _layer_tensors(cache, layer_id, writer.extent))
+        writer.write_layer(layer_id, layer_tensors(cache, layer_id, writer.extent))
     writer.close()
     return writer.num_bytes
 
@@ -145,7 +146,8 @@ def _checked_hashes(block_hashes: Sequence[bytes]) -> bytes:
     return b"".join(block_hashes)
 
 
-def _layer_tensors(cache: CacheBuffers, layer_id: int, extent: int) -> dict[str, torch.Tensor]:
+def layer_tensors(cache: CacheBuffers, layer_id: int, extent: int) -> dict[str, torch.Tensor]:
+    """The buffers of one layer's section: views of `cache`'s first `extent` blocks/slots."""
     out = {}
     for spec in layer_buffer_specs(cache.desc, layer_id, extent):
         axis = spec.dim("B" if cache.desc.layout.is_paged else "T")
