@@ -33,7 +33,7 @@ def add_prefill_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="compute threads (default: the engine's)")
     p.add_argument("--max-model-len", type=int, default=0, help="llamacpp: n_ctx (0: model's)")
     p.add_argument("--kv-address", default="127.0.0.1:8100", help="KV endpoint to bind")
-    p.add_argument("--kv-transport", default="tcp", help="how KV travels (tcp)")
+    p.add_argument("--kv-transport", default="tcp", choices=["tcp", "nixl"], help="how KV travels")
     p.add_argument("--kv-timeout", type=float, default=10.0, help="seconds a transfer may stall")
     p.add_argument(
         "--kv-secret",

@@ -41,7 +41,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--role", choices=["both", "prefill", "decode"], default="both")
     g.add_argument("--kv-address", default="127.0.0.1:8100", help="prefill: KV endpoint to bind")
     g.add_argument("--kv-peer", action="append", default=[], help="decode: a prefill KV endpoint")
-    g.add_argument("--kv-transport", default="tcp", help="how KV travels (tcp)")
+    g.add_argument("--kv-transport", default="tcp", choices=["tcp", "nixl"], help="how KV travels")
     g.add_argument("--kv-timeout", type=float, default=10.0, help="seconds a transfer may stall")
     g.add_argument(
         "--kv-secret",

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvabi.disagg.tcp_transport import TRANSPORTS
+from kvabi.disagg.nixl_memory import is_nixl_available
+from kvabi.disagg.nixl_transport import NixlTransport
+from kvabi.disagg.tcp_transport import TcpTransport
 from kvabi.disagg.transport import Transport, TransportConfig, split_address
 
 ROLES = ("prefill", "decode")
+TRANSPORTS: dict[str, type[Transport]] = {"tcp": TcpTransport, "nixl": NixlTransport}
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,11 @@ class DisaggSettings:
             raise ValueError(f"role: one of {ROLES}, got {self.role!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport: one of {sorted(TRANSPORTS)}, got {self.transport!r}")
+        if self.transport == "nixl" and not is_nixl_available():
+            raise ValueError(
+                "transport nixl: the nixl package is not installed (install it "
+                "with `pip install 'kvabi[nixl]'`, after torch==2.13.0)"
+            )
         for address in (self.kv_address, *self.peers):
             split_address(address)
         self.transport_config()  # validates the secret and timeouts

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from kvabi.disagg.settings import DisaggSettings
@@ -15,7 +17,7 @@ def test_settings_refuse_what_cannot_run():
     with pytest.raises(ValueError, match="role: one of"):
         DisaggSettings("both", SECRET)
     with pytest.raises(ValueError, match="transport: one of"):
-        DisaggSettings("decode", SECRET, transport="nixl")
+        DisaggSettings("decode", SECRET, transport="rdma")
     with pytest.raises(ValueError, match="expected host:port"):
         DisaggSettings("decode", SECRET, peers=("localhost",))
     with pytest.raises(ValueError, match="16 bytes"):
@@ -28,3 +30,18 @@ def test_settings_refuse_what_cannot_run():
 def test_addresses_default_to_loopback():
     assert split_address(":8100") == ("127.0.0.1", 8100)
     assert split_address("10.0.0.2:7") == ("10.0.0.2", 7)
+
+
+def test_nixl_without_the_package_is_a_clear_error(monkeypatch):
+    from kvabi.disagg.nixl_memory import NixlUnavailableError, load_nixl
+    from kvabi.disagg.nixl_transport import NixlTransport
+    from kvabi.disagg.transport import TransportConfig
+
+    monkeypatch.setitem(sys.modules, "nixl._api", None)  # as if nixl were not installed
+    with pytest.raises(ValueError, match=r"nixl package is not installed .*kvabi\[nixl\]"):
+        DisaggSettings("decode", SECRET, peers=("127.0.0.1:9000",), transport="nixl")
+    with pytest.raises(NixlUnavailableError, match="kvabi\\[nixl\\]"):
+        load_nixl()
+    with pytest.raises(NixlUnavailableError):
+        NixlTransport(TransportConfig(SECRET))
+    assert DisaggSettings("decode", SECRET).transport == "tcp"  # the default needs nothing

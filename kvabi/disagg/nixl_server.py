@@ -1,0 +1,155 @@
+"""The `nixl` transport's prefill side: authenticated control connections, NIXL data plane.
+
+A connection handshakes exactly as on TCP (handshake.py: challenge-response on the shared
+secret, then descriptors); only then does it answer `nixl_hello` with this server's NIXL
+agent metadata and arena, so a peer that fails the challenge learns nothing that would let it
+READ. Then it serves `fetch` messages one at a time: the provider prefills, the container is
+staged into registered slots borrowed from the arena and published window by window
+(nixl_windows.py), a layer at a time when the provider streams them (`KVStream`); the slots
+go back once every window was acknowledged (or on any error). A provider failure is answered
+with an `error` message; the connection stays usable.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import threading
+
+import torch
+
+from kvabi.abi.descriptor import Descriptor
+from kvabi.disagg.errors import TransferTimeoutError
+from kvabi.disagg.fetch_checks import parse_fetch
+from kvabi.disagg.framing import expect, recv_msg, send_msg
+from kvabi.disagg.handshake import server_handshake
+from kvabi.disagg.nixl_fault import FaultPlan
+from kvabi.disagg.nixl_memory import Arena, make_agent
+from kvabi.disagg.nixl_windows import WindowSink
+from kvabi.disagg.transport import (
+    KVPayload,
+    KVServer,
+    KVStream,
+    StreamProvider,
+    TransportConfig,
+    split_address,
+)
+from kvabi.wire.container_format import container_size
+from kvabi.wire.container_writer import ContainerWriter
+
+log = logging.getLogger("kvabi.disagg")
+MAX_CONNECTIONS = 256
+
+
+class NixlKVServer(KVServer):
+    def __init__(
+        self,
+        config: TransportConfig,
+        address: str,
+        desc: Descriptor,
+        provider: StreamProvider,
+        arena_shape: tuple[int, int],  # (slot_bytes, num_slots)
+        depth: int = 2,
+    ) -> None:
+        self.config, self.desc, self.provider, self.depth = config, desc, provider, depth
+        self.agent = make_agent("prefill")
+        self.arena = Arena(self.agent, *arena_shape)
+        self._listener = socket.create_server(split_address(address), backlog=64)
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._faults = FaultPlan.from_env()
+        threading.Thread(target=self._accept_loop, name="kvabi-nixl-accept", daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        host, port = self._listener.getsockname()[:2]
+        return f"{host}:{port}"
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._listener.close()
+        with self._lock:
+            for conn in list(self._conns):
+                conn.close()
+        self.arena.close()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                if len(self._conns) >= MAX_CONNECTIONS:  # one thread each: refuse a flood
+                    conn.close()
+                    continue
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(self.config.io_timeout_s)
+            server_handshake(conn, self.config.secret, self.desc)
+            expect(recv_msg(conn, 4096), "nixl_hello")  # authenticated from here on
+            md = self.agent.get_agent_metadata()
+            send_msg(conn, {"t": "nixl_md", "md": md, **self.arena.info().to_msg()})
+            while not self._closed:
+                conn.settimeout(self.config.idle_timeout_s)
+                msg = expect(recv_msg(conn), "fetch")
+                conn.settimeout(self.config.io_timeout_s)
+                self._answer(conn, msg)
+        except Exception as exc:  # the connection ends; the server goes on
+            log.info("kv connection closed: %s", exc)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _answer(self, conn: socket.socket, msg: dict) -> None:
+        try:
+            request = parse_fetch(msg, self.config.max_tokens, self.desc.layout.block_size)
+            answer = self.provider(request)
+            stream = KVStream.of(answer) if isinstance(answer, KVPayload) else answer
+            first = next(stream.layers)  # the prefill's failures up to here get an answer
+        except Exception as exc:
+            log.warning("prefill for a fetch failed: %s", exc)
+            send_msg(conn, {"t": "error", "kind": "prefill", "msg": str(exc)[:2000]})
+            return
+        try:
+            self._send(conn, stream, first, is_live=not isinstance(answer, KVPayload))
+        finally:
+            stream.layers.close()  # abandons the prefill if sending failed
+
+    def _send(
+        self, conn: socket.socket, stream: KVStream, first: LayerBuffers, is_live: bool
+    ) -> None:
+        """The `kv` message, then the container through the slots. A live stream publishes
+        each layer's tail as it is written, so layer l is read while l + 1 is computed."""
+        num_tokens, num_hashes = len(stream.token_ids), len(stream.block_hashes)
+        size = container_size(stream.desc, num_tokens, num_hashes)
+        num_windows = -(-size // self.arena.slot_bytes)
+        try:
+            slots = self.arena.acquire(min(self.depth, num_windows), self.config.io_timeout_s)
+        except TransferTimeoutError as exc:
+            send_msg(conn, {"t": "error", "kind": "busy", "msg": str(exc)})
+            return
+        try:
+            send_msg(conn, {"t": "kv", "start_token": stream.start_token, "num_bytes": size})
+            fault = self._faults.next(stream.desc, num_tokens, num_hashes)
+            sink = WindowSink(conn, self.arena, slots, self.config.transfer_timeout_s, fault)
+            writer = ContainerWriter(sink, stream.desc, stream.token_ids, stream.block_hashes)
+            for layer_id, tensors in itertools.chain([first], stream.layers):
+                writer.write_layer(layer_id, tensors)
+                if is_live:
+                    sink.publish()
+            writer.close()
+            sink.finish()
+        finally:
+            self.arena.release(slots)
+
+
+LayerBuffers = tuple[int, dict[str, torch.Tensor]]
