@@ -1,10 +1,13 @@
-"""`kvabi bench disagg`: KV transfer throughput of the TCP transport against a raw loopback
-socket copy of the same bytes, measured in the same run.
+"""`kvabi bench disagg`: KV transfer throughput of the transports against a raw loopback
+socket copy of the same bytes, then TTFT/ITL colocated vs disaggregated, in the same run.
 
-The transfer is a real fetch over 127.0.0.1: control message, the ABI container written layer
-by layer (each section checksummed by the sender and verified by the receiver), block hashes
-verified, tensors ready for placement. The baseline sends the container's byte count through a
-plain connected socket pair into a preallocated buffer: what any transport pays for the copy.
+1. Transfer: a real fetch over 127.0.0.1 (prefill and decode sides in this process): control
+   message, the ABI container written layer by layer (each section checksummed by the sender
+   and verified by the receiver), block hashes verified, tensors ready for placement; over TCP
+   and, when nixl is installed, over NIXL (kvabi/bench/nixl_bench.py). The baseline sends the
+   container's byte count through a plain connected socket pair into a preallocated buffer:
+   what any transport pays for the copy.
+2. Latency under a mixed load, real processes on the same cores (kvabi/bench/disagg_load.py).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from kvabi.abi.block_hash import hash_blocks, root_hash
 from kvabi.abi.buffers import CacheBuffers, allocate
 from kvabi.abi.catalog import catalog_model
 from kvabi.abi.presets import preset_descriptor
+from kvabi.bench.nixl_bench import nixl_fetch_seconds
 from kvabi.bench.report import print_table, write_json
 from kvabi.disagg.kv_inject import stage_payload
 from kvabi.disagg.tcp_transport import TcpTransport
@@ -49,6 +53,7 @@ def run(quick: bool, json_path: str | None, model_name: str = "smollm2-135m") ->
         repeats,
     )
     client.close(), server.close()
+    nixl_s = nixl_fetch_seconds(payload, dst_desc, repeats)
     figures = {
         "bytes": nbytes,
         "num_tokens": num_tokens,
@@ -56,7 +61,14 @@ def run(quick: bool, json_path: str | None, model_name: str = "smollm2-135m") ->
         "tcp_transport_gbps": nbytes / fetch_s / 1e9,
         "ratio": raw_s / fetch_s,
         "fetch_and_place_gbps": nbytes / place_s / 1e9,
+        "nixl_transport_gbps": nbytes / nixl_s / 1e9 if nixl_s else None,
+        "nixl_vs_raw_socket_ratio": raw_s / nixl_s if nixl_s else None,
     }
+    nixl_row = (
+        ["kvabi nixl transport (fetch)", figures["nixl_transport_gbps"], raw_s / nixl_s]
+        if nixl_s
+        else ["kvabi nixl transport", "not installed", ""]
+    )
     print_table(
         f"KV transfer, {model_name}, {num_tokens} tokens, {nbytes / 1e6:.1f} MB over 127.0.0.1",
         ["path", "GB/s", "vs raw socket"],
@@ -68,6 +80,7 @@ def run(quick: bool, json_path: str | None, model_name: str = "smollm2-135m") ->
                 figures["fetch_and_place_gbps"],
                 raw_s / place_s,
             ],
+            nixl_row,
         ],
     )
     from kvabi.bench.disagg_load import run_load  # TTFT/ITL under a mixed load, real processes
