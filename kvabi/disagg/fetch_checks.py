@@ -1,5 +1,5 @@
 """The checks every transport makes of a fetch: the request on the prefill side, the answer's
-identity on the decode side. Same rules as the TCP transport's (tcp_server.py, tcp_client.py).
+identity on the decode side (both the TCP and the NIXL transport use them).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from kvabi.wire.errors import FormatError
 def parse_fetch(msg: dict, max_tokens: int, block_size: int) -> FetchRequest:
     """A `fetch` control message as a request, refused unless well-formed and in bounds."""
     ids, start, salt = msg.get("token_ids"), msg.get("start_token"), msg.get("cache_salt")
-    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+    if not isinstance(ids, list) or not set(map(type, ids)) <= {int}:  # C loops: 1k+ ids
         raise TransferError("fetch: token_ids must be a list of ints")
     if len(ids) > max_tokens:
         raise MessageTooLargeError(f"fetch: {len(ids)} tokens > {max_tokens}")

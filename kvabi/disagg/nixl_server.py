@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import logging
 import socket
-import threading
 
 import torch
 
@@ -24,6 +23,7 @@ from kvabi.disagg.errors import TransferTimeoutError
 from kvabi.disagg.fetch_checks import parse_fetch
 from kvabi.disagg.framing import expect, recv_msg, send_msg
 from kvabi.disagg.handshake import server_handshake
+from kvabi.disagg.kv_listener import KVListener
 from kvabi.disagg.nixl_fault import FaultPlan
 from kvabi.disagg.nixl_memory import Arena, make_agent
 from kvabi.disagg.nixl_windows import WindowSink
@@ -33,13 +33,11 @@ from kvabi.disagg.transport import (
     KVStream,
     StreamProvider,
     TransportConfig,
-    split_address,
 )
 from kvabi.wire.container_format import container_size
 from kvabi.wire.container_writer import ContainerWriter
 
 log = logging.getLogger("kvabi.disagg")
-MAX_CONNECTIONS = 256
 
 
 class NixlKVServer(KVServer):
@@ -55,40 +53,19 @@ class NixlKVServer(KVServer):
         self.config, self.desc, self.provider, self.depth = config, desc, provider, depth
         self.agent = make_agent("prefill")
         self.arena = Arena(self.agent, *arena_shape)
-        self._listener = socket.create_server(split_address(address), backlog=64)
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        self._closed = False
         self._faults = FaultPlan.from_env()
-        threading.Thread(target=self._accept_loop, name="kvabi-nixl-accept", daemon=True).start()
+        self._listener = KVListener(address, self._serve, "kvabi-nixl-accept")
+        self._listener.start()
 
     @property
     def address(self) -> str:
-        host, port = self._listener.getsockname()[:2]
-        return f"{host}:{port}"
+        return self._listener.address
 
     def close(self) -> None:
-        if self._closed:
+        if self._listener.is_closed:
             return
-        self._closed = True
         self._listener.close()
-        with self._lock:
-            for conn in list(self._conns):
-                conn.close()
         self.arena.close()
-
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            with self._lock:
-                if len(self._conns) >= MAX_CONNECTIONS:  # one thread each: refuse a flood
-                    conn.close()
-                    continue
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -97,17 +74,13 @@ class NixlKVServer(KVServer):
             expect(recv_msg(conn, 4096), "nixl_hello")  # authenticated from here on
             md = self.agent.get_agent_metadata()
             send_msg(conn, {"t": "nixl_md", "md": md, **self.arena.info().to_msg()})
-            while not self._closed:
+            while not self._listener.is_closed:
                 conn.settimeout(self.config.idle_timeout_s)
                 msg = expect(recv_msg(conn), "fetch")
                 conn.settimeout(self.config.io_timeout_s)
                 self._answer(conn, msg)
         except Exception as exc:  # the connection ends; the server goes on
             log.info("kv connection closed: %s", exc)
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
 
     def _answer(self, conn: socket.socket, msg: dict) -> None:
         try:

@@ -14,10 +14,10 @@ import socket
 import threading
 import time
 
-from kvabi.abi.block_hash import hash_blocks, root_hash
 from kvabi.abi.buffers import CacheBuffers
 from kvabi.abi.descriptor import Descriptor
 from kvabi.disagg.errors import MessageTooLargeError, PeerClosedError, TransferError
+from kvabi.disagg.fetch_checks import check_identity, fetch_msg
 from kvabi.disagg.framing import SocketStream, expect, recv_exact, recv_msg, send_msg
 from kvabi.disagg.handshake import client_handshake
 from kvabi.disagg.receive_buffers import ReceiveBuffers
@@ -94,11 +94,8 @@ class TcpKVClient(KVClient):
 
     def _fetch_on(self, conn: socket.socket, request: FetchRequest) -> KVPayload:
         deadline = time.monotonic() + self.config.transfer_timeout_s
-        ids, start, salt = list(request.token_ids), request.start_token, request.cache_salt
         try:
-            send_msg(
-                conn, {"t": "fetch", "token_ids": ids, "start_token": start, "cache_salt": salt}
-            )
+            send_msg(conn, fetch_msg(request))
             conn.settimeout(self.config.transfer_timeout_s)  # the peer prefills first
             reply = expect(recv_msg(conn), "kv")
         except PeerClosedError as exc:
@@ -138,21 +135,9 @@ class TcpKVClient(KVClient):
                 tensors |= item.tensors
         if meta is None or stream.left:
             raise FormatError("the container ended early or has trailing bytes")
-        self._check_identity(meta, request, start)
+        check_identity(self.desc, meta, request)
         cache = CacheBuffers(meta.desc, tensors)
         return KVPayload(start, tuple(meta.token_ids), tuple(meta.block_hashes), cache)
-
-    def _check_identity(self, meta: ContainerMeta, request: FetchRequest, start: int) -> None:
-        """The blocks are of the asked tokens, hashed by the same scheme (digest and salt)."""
-        end = start + len(meta.token_ids)
-        if tuple(meta.token_ids) != request.token_ids[start:end]:
-            raise FormatError("the container holds other tokens than the prompt's")
-        salt = None if request.cache_salt is None else {"cache_salt": request.cache_salt}
-        root = root_hash(self.desc.model.compat_digest(), salt)
-        bs = self.peer_desc.layout.block_size
-        expected = hash_blocks(request.token_ids[:end], bs, root)[start // bs :]
-        if list(meta.block_hashes) != expected:
-            raise FormatError("the container's block hashes are not the prompt's")
 
 
 class _ClosedByPeer(PeerClosedError):

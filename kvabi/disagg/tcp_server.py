@@ -15,28 +15,25 @@ import itertools
 import logging
 import os
 import socket
-import threading
 import time
 
 from kvabi.abi.descriptor import Descriptor
-from kvabi.disagg.errors import MessageTooLargeError, TransferError
+from kvabi.disagg.fetch_checks import parse_fetch
 from kvabi.disagg.framing import ChunkedSink, expect, recv_msg, send_msg
 from kvabi.disagg.handshake import server_handshake
+from kvabi.disagg.kv_listener import KVListener
 from kvabi.disagg.layer_feed import LayerBuffers
 from kvabi.disagg.transport import (
-    FetchRequest,
     KVPayload,
     KVServer,
     KVStream,
     StreamProvider,
     TransportConfig,
-    split_address,
 )
 from kvabi.wire.container_format import HEADER, SECTION_HEADER, container_size, desc_json, padding
 from kvabi.wire.container_writer import ContainerWriter
 
 log = logging.getLogger("kvabi.disagg")
-MAX_CONNECTIONS = 256
 FAULT_ENV = "KVABI_DISAGG_FAULT"  # tests only: e.g. "corrupt,stall:5" (see _Fault)
 
 
@@ -45,58 +42,33 @@ class TcpKVServer(KVServer):
         self, config: TransportConfig, address: str, desc: Descriptor, provider: StreamProvider
     ) -> None:
         self.config, self.desc, self.provider = config, desc, provider
-        self._listener = socket.create_server(split_address(address), backlog=64)
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        self._closed = False
         self._fault = _Fault.from_env()
-        threading.Thread(target=self._accept_loop, name="kvabi-kv-accept", daemon=True).start()
+        self._listener = KVListener(address, self._serve, "kvabi-kv-accept")
+        self._listener.start()
 
     @property
     def address(self) -> str:
-        host, port = self._listener.getsockname()[:2]
-        return f"{host}:{port}"
+        return self._listener.address
 
     def close(self) -> None:
-        self._closed = True
         self._listener.close()
-        with self._lock:
-            for conn in list(self._conns):
-                conn.close()
-
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            with self._lock:
-                if len(self._conns) >= MAX_CONNECTIONS:  # one thread each: refuse a flood
-                    conn.close()
-                    continue
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # we gather small writes
             conn.settimeout(self.config.io_timeout_s)
             server_handshake(conn, self.config.secret, self.desc)
-            while not self._closed:
+            while not self._listener.is_closed:
                 conn.settimeout(self.config.idle_timeout_s)
                 msg = expect(recv_msg(conn), "fetch")
                 conn.settimeout(self.config.io_timeout_s)
                 self._answer(conn, msg)
         except Exception as exc:  # the connection ends; the server goes on
             log.info("kv connection closed: %s", exc)
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
 
     def _answer(self, conn: socket.socket, msg: dict) -> None:
         try:
-            request = self._request(msg)
+            request = parse_fetch(msg, self.config.max_tokens, self.desc.layout.block_size)
             stream = _as_stream(self.provider(request))
             first = next(stream.layers)  # the prefill's failures up to here get an answer
         except Exception as exc:
@@ -107,20 +79,6 @@ class TcpKVServer(KVServer):
             self._send_stream(conn, stream, first)
         finally:
             stream.layers.close()  # abandons the prefill if sending failed
-
-    def _request(self, msg: dict) -> FetchRequest:
-        ids, start, salt = msg.get("token_ids"), msg.get("start_token"), msg.get("cache_salt")
-        if not isinstance(ids, list) or not set(map(type, ids)) <= {int}:  # C loops: 1k+ ids
-            raise TransferError("fetch: token_ids must be a list of ints")
-        if len(ids) > self.config.max_tokens:
-            raise MessageTooLargeError(f"fetch: {len(ids)} tokens > {self.config.max_tokens}")
-        if not isinstance(start, int) or not 0 <= start <= len(ids):
-            raise TransferError(f"fetch: start_token {start!r} outside the prompt")
-        if start % self.desc.layout.block_size:
-            raise TransferError(f"fetch: start_token {start} is not at a block boundary")
-        if salt is not None and not isinstance(salt, str):
-            raise TransferError("fetch: cache_salt must be a string")
-        return FetchRequest(tuple(ids), start, salt)
 
     def _send_stream(self, conn: socket.socket, stream: KVStream, first: LayerBuffers) -> None:
         """The `kv` message, then the container: each section as its layer arrives."""
