@@ -20,7 +20,7 @@ import torch
 
 from kvabi.abi.descriptor import Descriptor
 from kvabi.disagg.errors import TransferTimeoutError
-from kvabi.disagg.fetch_checks import parse_fetch
+from kvabi.disagg.fetch_loop import serve_fetches
 from kvabi.disagg.framing import expect, recv_msg, send_msg
 from kvabi.disagg.handshake import server_handshake
 from kvabi.disagg.kv_listener import KVListener
@@ -28,7 +28,6 @@ from kvabi.disagg.nixl_fault import FaultPlan
 from kvabi.disagg.nixl_memory import Arena, make_agent
 from kvabi.disagg.nixl_windows import WindowSink
 from kvabi.disagg.transport import (
-    KVPayload,
     KVServer,
     KVStream,
     StreamProvider,
@@ -74,28 +73,12 @@ class NixlKVServer(KVServer):
             expect(recv_msg(conn, 4096), "nixl_hello")  # authenticated from here on
             md = self.agent.get_agent_metadata()
             send_msg(conn, {"t": "nixl_md", "md": md, **self.arena.info().to_msg()})
-            while not self._listener.is_closed:
-                conn.settimeout(self.config.idle_timeout_s)
-                msg = expect(recv_msg(conn), "fetch")
-                conn.settimeout(self.config.io_timeout_s)
-                self._answer(conn, msg)
+            serve_fetches(conn, self.config, self.desc, self.provider, self._send, self._is_closed)
         except Exception as exc:  # the connection ends; the server goes on
             log.info("kv connection closed: %s", exc)
 
-    def _answer(self, conn: socket.socket, msg: dict) -> None:
-        try:
-            request = parse_fetch(msg, self.config.max_tokens, self.desc.layout.block_size)
-            answer = self.provider(request)
-            stream = KVStream.of(answer) if isinstance(answer, KVPayload) else answer
-            first = next(stream.layers)  # the prefill's failures up to here get an answer
-        except Exception as exc:
-            log.warning("prefill for a fetch failed: %s", exc)
-            send_msg(conn, {"t": "error", "kind": "prefill", "msg": str(exc)[:2000]})
-            return
-        try:
-            self._send(conn, stream, first, is_live=not isinstance(answer, KVPayload))
-        finally:
-            stream.layers.close()  # abandons the prefill if sending failed
+    def _is_closed(self) -> bool:
+        return self._listener.is_closed
 
     def _send(
         self, conn: socket.socket, stream: KVStream, first: LayerBuffers, is_live: bool

@@ -18,13 +18,12 @@ import socket
 import time
 
 from kvabi.abi.descriptor import Descriptor
-from kvabi.disagg.fetch_checks import parse_fetch
-from kvabi.disagg.framing import ChunkedSink, expect, recv_msg, send_msg
+from kvabi.disagg.fetch_loop import serve_fetches
+from kvabi.disagg.framing import ChunkedSink, send_msg
 from kvabi.disagg.handshake import server_handshake
 from kvabi.disagg.kv_listener import KVListener
 from kvabi.disagg.layer_feed import LayerBuffers
 from kvabi.disagg.transport import (
-    KVPayload,
     KVServer,
     KVStream,
     StreamProvider,
@@ -58,30 +57,20 @@ class TcpKVServer(KVServer):
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # we gather small writes
             conn.settimeout(self.config.io_timeout_s)
             server_handshake(conn, self.config.secret, self.desc)
-            while not self._listener.is_closed:
-                conn.settimeout(self.config.idle_timeout_s)
-                msg = expect(recv_msg(conn), "fetch")
-                conn.settimeout(self.config.io_timeout_s)
-                self._answer(conn, msg)
+            serve_fetches(
+                conn, self.config, self.desc, self.provider, self._send_stream, self._is_closed
+            )
         except Exception as exc:  # the connection ends; the server goes on
             log.info("kv connection closed: %s", exc)
 
-    def _answer(self, conn: socket.socket, msg: dict) -> None:
-        try:
-            request = parse_fetch(msg, self.config.max_tokens, self.desc.layout.block_size)
-            stream = _as_stream(self.provider(request))
-            first = next(stream.layers)  # the prefill's failures up to here get an answer
-        except Exception as exc:
-            log.warning("prefill for a fetch failed: %s", exc)
-            send_msg(conn, {"t": "error", "kind": "prefill", "msg": str(exc)[:2000]})
-            return
-        try:
-            self._send_stream(conn, stream, first)
-        finally:
-            stream.layers.close()  # abandons the prefill if sending failed
+    def _is_closed(self) -> bool:
+        return self._listener.is_closed
 
-    def _send_stream(self, conn: socket.socket, stream: KVStream, first: LayerBuffers) -> None:
-        """The `kv` message, then the container: each section as its layer arrives."""
+    def _send_stream(
+        self, conn: socket.socket, stream: KVStream, first: LayerBuffers, is_live: bool
+    ) -> None:
+        """The `kv` message, then the container: each section as its layer arrives (live or
+        not, TCP sends the same way)."""
         size = container_size(stream.desc, len(stream.token_ids), len(stream.block_hashes))
         send_msg(conn, {"t": "kv", "start_token": stream.start_token, "num_bytes": size})
         sink = ChunkedSink(conn, self.config.transfer_timeout_s)
@@ -93,10 +82,6 @@ class TcpKVServer(KVServer):
             sink.flush()  # a layer's tail goes now, not with the next layer
         writer.close()
         sink.flush()
-
-
-def _as_stream(answer: KVPayload | KVStream) -> KVStream:
-    return KVStream.of(answer) if isinstance(answer, KVPayload) else answer
 
 
 class _Fault:

@@ -1,0 +1,63 @@
+"""`serve_fetches`: the prefill side's answer loop, the same for every transport (TCP, NIXL).
+
+After a transport's handshake, each `fetch` message is parsed and checked (fetch_checks.py),
+the prefill runs through the provider, and the transport's `send` ships the stream. A failure
+before the first layer is ready (bad request, prefill error) gets an `error` reply and the
+connection stays usable; a failure while sending closes the stream, which abandons the prefill.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Callable
+
+from kvabi.abi.descriptor import Descriptor
+from kvabi.disagg.fetch_checks import parse_fetch
+from kvabi.disagg.framing import expect, recv_msg, send_msg
+from kvabi.disagg.layer_feed import LayerBuffers
+from kvabi.disagg.transport import KVPayload, KVStream, StreamProvider, TransportConfig
+
+log = logging.getLogger("kvabi.disagg")
+# send(conn, stream, first layer, is_live): is_live is False for a payload computed in full
+Send = Callable[[socket.socket, KVStream, LayerBuffers, bool], None]
+
+
+def serve_fetches(
+    conn: socket.socket,
+    config: TransportConfig,
+    desc: Descriptor,
+    provider: StreamProvider,
+    send: Send,
+    is_closed: Callable[[], bool],
+) -> None:
+    """Answer fetches on an authenticated connection until the peer leaves or the server
+    closes (errors end the connection: the caller logs them)."""
+    while not is_closed():
+        conn.settimeout(config.idle_timeout_s)
+        msg = expect(recv_msg(conn), "fetch")
+        conn.settimeout(config.io_timeout_s)
+        _answer(conn, msg, config, desc, provider, send)
+
+
+def _answer(
+    conn: socket.socket,
+    msg: dict,
+    config: TransportConfig,
+    desc: Descriptor,
+    provider: StreamProvider,
+    send: Send,
+) -> None:
+    try:
+        request = parse_fetch(msg, config.max_tokens, desc.layout.block_size)
+        answer = provider(request)
+        stream = KVStream.of(answer) if isinstance(answer, KVPayload) else answer
+        first = next(stream.layers)  # the prefill's failures up to here get an answer
+    except Exception as exc:
+        log.warning("prefill for a fetch failed: %s", exc)
+        send_msg(conn, {"t": "error", "kind": "prefill", "msg": str(exc)[:2000]})
+        return
+    try:
+        send(conn, stream, first, not isinstance(answer, KVPayload))
+    finally:
+        stream.layers.close()  # abandons the prefill if sending failed
