@@ -4,10 +4,13 @@ identity on the decode side (both the TCP and the NIXL transport use them).
 
 from __future__ import annotations
 
+import socket
+
 from kvabi.abi.block_hash import hash_blocks, root_hash
 from kvabi.abi.descriptor import Descriptor
-from kvabi.disagg.errors import MessageTooLargeError, TransferError
-from kvabi.disagg.transport import FetchRequest
+from kvabi.disagg.errors import MessageTooLargeError, PeerClosedError, TransferError
+from kvabi.disagg.framing import expect, recv_msg, send_msg
+from kvabi.disagg.transport import FetchRequest, TransportConfig
 from kvabi.wire.container import Container, ContainerMeta
 from kvabi.wire.errors import FormatError
 
@@ -36,6 +39,24 @@ def fetch_msg(request: FetchRequest) -> dict:
         "start_token": request.start_token,
         "cache_salt": request.cache_salt,
     }
+
+
+class ClosedByPeer(PeerClosedError):
+    """The peer closed the connection before answering (e.g. an idle connection it dropped):
+    the fetch may be retried on a new connection."""
+
+
+def ask_kv(conn: socket.socket, request: FetchRequest, config: TransportConfig) -> dict:
+    """Send the `fetch` message and wait (up to the transfer timeout: the peer prefills
+    first) for its `kv` reply; the connection is left at the I/O timeout."""
+    try:
+        send_msg(conn, fetch_msg(request))
+        conn.settimeout(config.transfer_timeout_s)
+        reply = expect(recv_msg(conn), "kv")
+    except PeerClosedError as exc:
+        raise ClosedByPeer(str(exc)) from exc
+    conn.settimeout(config.io_timeout_s)
+    return reply
 
 
 def check_identity(own: Descriptor, meta: ContainerMeta | Container, request: FetchRequest) -> None:

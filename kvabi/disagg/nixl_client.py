@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from kvabi.abi.descriptor import Descriptor
-from kvabi.disagg.errors import MessageTooLargeError, PeerClosedError, TransferError
-from kvabi.disagg.fetch_checks import check_identity, fetch_msg
+from kvabi.disagg.errors import MessageTooLargeError, TransferError
+from kvabi.disagg.fetch_checks import ClosedByPeer, ask_kv, check_identity
 from kvabi.disagg.framing import expect, recv_msg, send_msg
 from kvabi.disagg.handshake import client_handshake
 from kvabi.disagg.nixl_memory import Arena, ArenaInfo, make_agent
@@ -87,7 +87,7 @@ class NixlKVClient(KVClient):
     ) -> KVPayload:
         try:
             payload = self._fetch_on(channel, request, slot)
-        except _ClosedByPeer:
+        except ClosedByPeer:
             channel.conn.close()
             if not is_reused:
                 raise
@@ -150,13 +150,7 @@ class NixlKVClient(KVClient):
 
     def _fetch_on(self, channel: _Channel, request: FetchRequest, slot: int) -> KVPayload:
         conn = channel.conn
-        try:
-            send_msg(conn, fetch_msg(request))
-            conn.settimeout(self.config.transfer_timeout_s)  # the peer prefills first
-            reply = expect(recv_msg(conn), "kv")
-        except PeerClosedError as exc:
-            raise _ClosedByPeer(str(exc)) from exc
-        conn.settimeout(self.config.io_timeout_s)
+        reply = ask_kv(conn, request, self.config)
         size = self._checked_size(request, reply)
         timeouts = (self.config.io_timeout_s, self.config.transfer_timeout_s)
         assert self.arena is not None
@@ -183,7 +177,3 @@ class NixlKVClient(KVClient):
         check_identity(self.desc, container, request)
         tokens, hashes = tuple(container.token_ids), tuple(container.block_hashes)
         return KVPayload(request.start_token, tokens, hashes, container.cache)
-
-
-class _ClosedByPeer(PeerClosedError):
-    """The peer closed the connection before answering (e.g. an idle connection it dropped)."""

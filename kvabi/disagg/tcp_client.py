@@ -16,9 +16,9 @@ import time
 
 from kvabi.abi.buffers import CacheBuffers
 from kvabi.abi.descriptor import Descriptor
-from kvabi.disagg.errors import MessageTooLargeError, PeerClosedError, TransferError
-from kvabi.disagg.fetch_checks import check_identity, fetch_msg
-from kvabi.disagg.framing import SocketStream, expect, recv_exact, recv_msg, send_msg
+from kvabi.disagg.errors import MessageTooLargeError, TransferError
+from kvabi.disagg.fetch_checks import ClosedByPeer, ask_kv, check_identity
+from kvabi.disagg.framing import SocketStream, recv_exact
 from kvabi.disagg.handshake import client_handshake
 from kvabi.disagg.receive_buffers import ReceiveBuffers
 from kvabi.disagg.transport import (
@@ -46,7 +46,7 @@ class TcpKVClient(KVClient):
         conn, is_reused = self._take()
         try:
             payload = self._fetch_on(conn, request)
-        except _ClosedByPeer:
+        except ClosedByPeer:
             conn.close()
             if not is_reused:
                 raise
@@ -94,13 +94,7 @@ class TcpKVClient(KVClient):
 
     def _fetch_on(self, conn: socket.socket, request: FetchRequest) -> KVPayload:
         deadline = time.monotonic() + self.config.transfer_timeout_s
-        try:
-            send_msg(conn, fetch_msg(request))
-            conn.settimeout(self.config.transfer_timeout_s)  # the peer prefills first
-            reply = expect(recv_msg(conn), "kv")
-        except PeerClosedError as exc:
-            raise _ClosedByPeer(str(exc)) from exc
-        conn.settimeout(self.config.io_timeout_s)
+        reply = ask_kv(conn, request, self.config)
         head = recv_exact(conn, HEADER.size)
         limit = self._checked_size(request, reply, Header.parse(memoryview(head)))
         stream = SocketStream(conn, head, limit)
@@ -138,7 +132,3 @@ class TcpKVClient(KVClient):
         check_identity(self.desc, meta, request)
         cache = CacheBuffers(meta.desc, tensors)
         return KVPayload(start, tuple(meta.token_ids), tuple(meta.block_hashes), cache)
-
-
-class _ClosedByPeer(PeerClosedError):
-    """The peer closed the connection before answering (e.g. an idle connection it dropped)."""
