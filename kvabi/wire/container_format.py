@@ -41,9 +41,14 @@ def padding(offset: int) -> int:
     return -offset % ALIGN
 
 
+def checksum_state() -> xxhash.xxh3_64:
+    """A running `checksum`: `update` it with the parts in order, then `intdigest()`."""
+    return xxhash.xxh3_64()
+
+
 def checksum(*parts: bytes | memoryview) -> int:
     """xxh3_64 (seed 0) over the concatenation of `parts`, without concatenating them."""
-    h = xxhash.xxh3_64()
+    h = checksum_state()
     for part in parts:
         h.update(part)
     return h.intdigest()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Sequence
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 import torch
 
@@ -29,10 +29,22 @@ from kvabi.wire.container_format import (
 from kvabi.wire.errors import ContainerError
 
 
+class PreparedSection(NamedTuple):
+    """One layer's payload checked against its layout, as byte views of its tensors (no copy)."""
+
+    layout: SectionLayout
+    parts: list[memoryview]
+
+
 class ContainerWriter:
     """Streams a container: the meta on construction, then `write_layer` per owner layer in
     ascending order, then `close()` for the end record. Nothing is buffered beyond one layer's
-    checksum pass; the sink is not closed."""
+    checksum pass; the sink is not closed.
+
+    `prepare` + `write_prepared` split `write_layer` in two: a sender holding every layer at
+    once prepares them all first, so the per-layer loop is only the checksum and the writes
+    (each layer's bytes stream through the CPU caches and evict what the tensor calls need).
+    """
 
     def __init__(
         self,
@@ -52,16 +64,30 @@ class ContainerWriter:
         self.extent = extent_for(desc, len(tokens))
         self._sink = sink
         self._layouts = section_layouts(desc, len(tokens))
+        self._by_layer = {x.layer_id: x for x in self._layouts}
         self._checksums: list[int] = []
         self._is_closed = False
         self._write_meta(tokens.tobytes(), hashes)
 
     def write_layer(self, layer_id: int, tensors: dict[str, torch.Tensor]) -> None:
         """Write one owner layer's section; `tensors` are its buffers, keyed as the specs are."""
-        layout = self._next_layout(layer_id)
-        parts = _payload_parts(layout, tensors)
-        section_sum = checksum(layout.head(), *parts)
-        self._write(layout.header(section_sum), *parts)
+        self.write_prepared(self.prepare(layer_id, tensors))
+
+    def prepare(self, layer_id: int, tensors: dict[str, torch.Tensor]) -> PreparedSection:
+        """Owner layer `layer_id`'s section, checked, for `write_prepared` (in layer order)."""
+        layout = self._by_layer.get(layer_id)
+        if layout is None:
+            raise ContainerError(
+                f"layer {layer_id} is not an owner layer of the descriptor "
+                f"({[x.layer_id for x in self._layouts]})"
+            )
+        return PreparedSection(layout, _payload_parts(layout, tensors))
+
+    def write_prepared(self, section: PreparedSection) -> None:
+        """Write a section from `prepare`: checksum, header, payload."""
+        layout = self._next_layout(section.layout.layer_id)
+        section_sum = checksum(layout.head(), *section.parts)
+        self._write(layout.header(section_sum), *section.parts)
         self._checksums.append(section_sum)
 
     def close(self) -> None:
@@ -170,7 +196,16 @@ def _payload_parts(layout: SectionLayout, tensors: dict[str, torch.Tensor]) -> l
                 f"layer {layout.layer_id} buffer {spec.key!r}: descriptor says "
                 f"{list(spec.shape)} {spec.dtype}, tensor is {list(t.shape)} {t.dtype}"
             )
-        flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        parts += [memoryview(bytes(offset - end)), memoryview(flat.numpy())]
+        if offset > end:
+            parts.append(memoryview(bytes(offset - end)))
+        if spec.num_bytes:
+            parts.append(_byte_view(t))
         end = offset + spec.num_bytes
     return parts
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """`t`'s bytes in row-major order: a view when it is a contiguous CPU tensor, else a copy."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        t = t.detach().cpu().contiguous()
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
