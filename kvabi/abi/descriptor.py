@@ -105,7 +105,7 @@ class _CachedHash:
         return value
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_hash", "_digest")}
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,15 @@ class ModelSpec(_CachedHash):
         """Hex SHA-256 (first 16 bytes) of everything two caches must agree on to exchange data.
 
         The RoPE pairing is left out: caches that differ in it convert by a permutation.
+        Computed once per spec (every fetch and store lookup asks for it).
         """
+        value = self.__dict__.get("_digest")
+        if value is None:
+            value = self._compute_digest()
+            object.__setattr__(self, "_digest", value)
+        return value
+
+    def _compute_digest(self) -> str:
         body = {
             "fingerprint": self.fingerprint,
             "k_post_rope": self.k_post_rope,

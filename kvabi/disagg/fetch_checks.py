@@ -46,29 +46,44 @@ class ClosedByPeer(PeerClosedError):
     the fetch may be retried on a new connection."""
 
 
-def ask_kv(conn: socket.socket, request: FetchRequest, config: TransportConfig) -> dict:
+def ask_kv(
+    conn: socket.socket,
+    request: FetchRequest,
+    config: TransportConfig,
+    own: Descriptor,
+    peer: Descriptor,
+) -> tuple[dict, list[bytes]]:
     """Send the `fetch` message and wait (up to the transfer timeout: the peer prefills
-    first) for its `kv` reply; the connection is left at the I/O timeout."""
+    first) for its `kv` reply; the connection is left at the I/O timeout. Meanwhile the
+    block hashes the answer must carry are computed (`check_identity` takes them)."""
     try:
         send_msg(conn, fetch_msg(request))
+        expected = prompt_hashes(own, peer.layout.block_size, request)
         conn.settimeout(config.transfer_timeout_s)
         reply = expect(recv_msg(conn), "kv")
     except PeerClosedError as exc:
         raise ClosedByPeer(str(exc)) from exc
     conn.settimeout(config.io_timeout_s)
-    return reply
+    return reply, expected
 
 
-def check_identity(own: Descriptor, meta: ContainerMeta | Container, request: FetchRequest) -> None:
-    """The container holds the asked tokens from `request.start_token`, hashed by the same
-    scheme (model digest and salt) as ours: else a `FormatError`."""
+def prompt_hashes(own: Descriptor, block_size: int, request: FetchRequest) -> list[bytes]:
+    """Our hashes (model digest and salt) of the prompt's blocks of `block_size` tokens, from
+    `request.start_token` on."""
+    salt = None if request.cache_salt is None else {"cache_salt": request.cache_salt}
+    root = root_hash(own.model.compat_digest(), salt)
+    return hash_blocks(request.token_ids, block_size, root)[request.start_token // block_size :]
+
+
+def check_identity(
+    meta: ContainerMeta | Container, request: FetchRequest, expected: list[bytes]
+) -> None:
+    """The container holds the asked tokens from `request.start_token`, with the block hashes
+    `prompt_hashes` gave (same model digest, salt and block size): else a `FormatError`."""
     start = request.start_token
     end = start + len(meta.token_ids)
     if tuple(meta.token_ids) != request.token_ids[start:end]:
         raise FormatError("the container holds other tokens than the prompt's")
-    salt = None if request.cache_salt is None else {"cache_salt": request.cache_salt}
-    root = root_hash(own.model.compat_digest(), salt)
     bs = meta.desc.layout.block_size
-    expected = hash_blocks(request.token_ids[:end], bs, root)[start // bs :]
-    if list(meta.block_hashes) != expected:
+    if list(meta.block_hashes) != expected[: end // bs - start // bs]:
         raise FormatError("the container's block hashes are not the prompt's")

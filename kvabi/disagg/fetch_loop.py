@@ -8,15 +8,17 @@ connection stays usable; a failure while sending closes the stream, which abando
 
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from kvabi.abi.descriptor import Descriptor
 from kvabi.disagg.fetch_checks import parse_fetch
 from kvabi.disagg.framing import expect, recv_msg, send_msg
 from kvabi.disagg.layer_feed import LayerBuffers
 from kvabi.disagg.transport import KVPayload, KVStream, StreamProvider, TransportConfig
+from kvabi.wire.container_writer import ContainerWriter, PreparedSection
 
 log = logging.getLogger("kvabi.disagg")
 # send(conn, stream, first layer, is_live): is_live is False for a payload computed in full
@@ -61,3 +63,15 @@ def _answer(
         send(conn, stream, first, not isinstance(answer, KVPayload))
     finally:
         stream.layers.close()  # abandons the prefill if sending failed
+
+
+def sections(
+    writer: ContainerWriter, stream: KVStream, first: LayerBuffers, is_live: bool
+) -> Iterator[PreparedSection]:
+    """The stream's sections for `writer.write_prepared`, in order: a live stream's as each
+    layer is stored; a payload computed in full has all of them prepared first, so the send
+    loop is only checksums and writes (see `ContainerWriter`)."""
+    layers = itertools.chain([first], stream.layers)
+    if is_live:
+        return (writer.prepare(layer_id, tensors) for layer_id, tensors in layers)
+    return iter([writer.prepare(layer_id, tensors) for layer_id, tensors in layers])

@@ -107,7 +107,8 @@ class ChunkedSink:
 class SocketStream:
     """A read-only binary stream over a socket for `iter_layers`: each read takes what has
     arrived, at most CHUNK_BYTES, and at most `limit` bytes in all (the container's size,
-    known from its header)."""
+    known from its header). A peer that closes before the end is a `PeerClosedError`."""
+
 
     def __init__(self, sock: socket.socket, head: bytes, limit: int) -> None:
         self.sock, self.head, self.left = sock, head, limit - len(head)
@@ -123,8 +124,11 @@ class SocketStream:
         if n <= 0:
             return 0
         got = _io(lambda: self.sock.recv_into(view, n))
+        if got == 0:
+            raise PeerClosedError(f"peer closed the connection {self.left} bytes before its end")
         self.left -= got
         return got
+
 
 
 def _send_all(sock: socket.socket, data: bytes | memoryview) -> None:

@@ -150,13 +150,13 @@ class NixlKVClient(KVClient):
 
     def _fetch_on(self, channel: _Channel, request: FetchRequest, slot: int) -> KVPayload:
         conn = channel.conn
-        reply = ask_kv(conn, request, self.config)
+        reply, expected = ask_kv(conn, request, self.config, self.desc, self.peer_desc)
         size = self._checked_size(request, reply)
         timeouts = (self.config.io_timeout_s, self.config.transfer_timeout_s)
         assert self.arena is not None
         data = torch.empty(size, dtype=torch.uint8)  # [size]: the container, not yet touched
         WindowReader(conn, self.arena, slot, channel.peer, timeouts).read_all(data.numpy())
-        return self._payload(memoryview(data.numpy()), request)
+        return self._payload(memoryview(data.numpy()), request, expected)
 
     def _checked_size(self, request: FetchRequest, reply: dict) -> int:
         start, size = reply.get("start_token"), reply.get("num_bytes")
@@ -169,11 +169,12 @@ class NixlKVClient(KVClient):
             raise MessageTooLargeError(f"kv reply announces {size} bytes; at most {cap} may come")
         return size
 
-    def _payload(self, data: memoryview, request: FetchRequest) -> KVPayload:
+    def _payload(self, data: memoryview, request: FetchRequest, expected: list[bytes]) -> KVPayload:
         """The container in `data`, verified (every checksum; tensors are views of `data`)."""
         container = read_container(data, expect=self.desc.model)
         if container.desc != self.peer_desc:
             raise FormatError("the container's descriptor is not the negotiated one")
-        check_identity(self.desc, container, request)
+        check_identity(container, request, expected)
+
         tokens, hashes = tuple(container.token_ids), tuple(container.block_hashes)
         return KVPayload(request.start_token, tokens, hashes, container.cache)

@@ -12,7 +12,6 @@ with an `error` message; the connection stays usable.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import socket
 
@@ -20,7 +19,7 @@ import torch
 
 from kvabi.abi.descriptor import Descriptor
 from kvabi.disagg.errors import TransferTimeoutError
-from kvabi.disagg.fetch_loop import serve_fetches
+from kvabi.disagg.fetch_loop import sections, serve_fetches
 from kvabi.disagg.framing import expect, recv_msg, send_msg
 from kvabi.disagg.handshake import server_handshake
 from kvabi.disagg.kv_listener import KVListener
@@ -98,8 +97,8 @@ class NixlKVServer(KVServer):
             fault = self._faults.next(stream.desc, num_tokens, num_hashes)
             sink = WindowSink(conn, self.arena, slots, self.config.transfer_timeout_s, fault)
             writer = ContainerWriter(sink, stream.desc, stream.token_ids, stream.block_hashes)
-            for layer_id, tensors in itertools.chain([first], stream.layers):
-                writer.write_layer(layer_id, tensors)
+            for section in sections(writer, stream, first, is_live):
+                writer.write_prepared(section)
                 if is_live:
                     sink.publish()
             writer.close()

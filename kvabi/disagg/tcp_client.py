@@ -94,11 +94,11 @@ class TcpKVClient(KVClient):
 
     def _fetch_on(self, conn: socket.socket, request: FetchRequest) -> KVPayload:
         deadline = time.monotonic() + self.config.transfer_timeout_s
-        reply = ask_kv(conn, request, self.config)
+        reply, expected = ask_kv(conn, request, self.config, self.desc, self.peer_desc)
         head = recv_exact(conn, HEADER.size)
         limit = self._checked_size(request, reply, Header.parse(memoryview(head)))
         stream = SocketStream(conn, head, limit)
-        payload = self._read(stream, self._buffers.take(limit), request, reply["start_token"])
+        payload = self._read(stream, self._buffers.take(limit), request, expected)
         if time.monotonic() > deadline:
             raise TransferError("the fetch finished after its transfer timeout")
         return payload
@@ -117,18 +117,21 @@ class TcpKVClient(KVClient):
         return size
 
     def _read(
-        self, stream: SocketStream, buffer: memoryview, request: FetchRequest, start: int
+        self, stream: SocketStream, buffer: memoryview, request: FetchRequest, expected: list[bytes]
     ) -> KVPayload:
-        meta, tensors = None, {}
+        meta, sections = None, []
         for item in iter_layers(stream, self.desc.model, buffer):  # type: ignore[arg-type]
             if isinstance(item, ContainerMeta):
                 meta = item
                 if meta.desc != self.peer_desc:
                     raise FormatError("the container's descriptor is not the negotiated one")
             elif isinstance(item, LayerSection):
-                tensors |= item.tensors
+                sections.append(item)  # its tensors are made after the loop (LayerSection)
         if meta is None or stream.left:
             raise FormatError("the container ended early or has trailing bytes")
-        check_identity(self.desc, meta, request)
+        check_identity(meta, request, expected)
+        tensors = {k: v for section in sections for k, v in section.tensors.items()}
         cache = CacheBuffers(meta.desc, tensors)
-        return KVPayload(start, tuple(meta.token_ids), tuple(meta.block_hashes), cache)
+
+        hashes = tuple(meta.block_hashes)
+        return KVPayload(request.start_token, tuple(meta.token_ids), hashes, cache)

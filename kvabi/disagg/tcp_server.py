@@ -18,7 +18,7 @@ import socket
 import time
 
 from kvabi.abi.descriptor import Descriptor
-from kvabi.disagg.fetch_loop import serve_fetches
+from kvabi.disagg.fetch_loop import sections, serve_fetches
 from kvabi.disagg.framing import ChunkedSink, send_msg
 from kvabi.disagg.handshake import server_handshake
 from kvabi.disagg.kv_listener import KVListener
@@ -77,8 +77,9 @@ class TcpKVServer(KVServer):
         writer = ContainerWriter(
             self._fault.wrap(sink, stream), stream.desc, stream.token_ids, stream.block_hashes
         )
-        for layer_id, tensors in itertools.chain([first], stream.layers):
-            writer.write_layer(layer_id, tensors)
+        sink.flush()  # the meta goes now: the peer checks it while the layers are prepared
+        for section in sections(writer, stream, first, is_live):
+            writer.write_prepared(section)
             sink.flush()  # a layer's tail goes now, not with the next layer
         writer.close()
         sink.flush()
