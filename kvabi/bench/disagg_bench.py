@@ -1,88 +1,39 @@
 """`kvabi bench disagg`: KV transfer throughput of the transports against a raw loopback
 socket copy of the same bytes, then TTFT/ITL colocated vs disaggregated, in the same run.
 
-1. Transfer: a real fetch over 127.0.0.1 (prefill and decode sides in this process): control
-   message, the ABI container written layer by layer (each section checksummed by the sender
-   and verified by the receiver), block hashes verified, tensors ready for placement; over TCP
-   and, when nixl is installed, over NIXL (kvabi/bench/nixl_bench.py). The baseline sends the
-   container's byte count through a plain connected socket pair into a preallocated buffer:
-   what any transport pays for the copy.
+1. Transfer: real fetches over 127.0.0.1 from a prefill-side process (kvabi/bench/
+   transfer_peer.py) to this one: control message, the ABI container written layer by layer
+   (each section checksummed by the sender and verified by the receiver), block hashes
+   verified, tensors ready for placement; over TCP and, when nixl is installed, over NIXL. The
+   baseline has the same process send the same container bytes (written once, held in memory)
+   through a plain connected socket into a preallocated buffer here: what any transport pays
+   for the copy. Each path's best of many fetches, taken in turn, so a noisy neighbour slows
+   all of them alike.
 2. Latency under a mixed load, real processes on the same cores (kvabi/bench/disagg_load.py).
 """
 
 from __future__ import annotations
 
+import json
 import socket
-import threading
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
-import torch
-
-from kvabi.abi.block_hash import hash_blocks, root_hash
-from kvabi.abi.buffers import CacheBuffers, allocate
 from kvabi.abi.catalog import catalog_model
 from kvabi.abi.presets import preset_descriptor
-from kvabi.bench.nixl_bench import nixl_fetch_seconds
 from kvabi.bench.report import print_table, write_json
+from kvabi.bench.transfer_peer import SECRET, token_ids
 from kvabi.disagg.kv_inject import stage_payload
+from kvabi.disagg.nixl_memory import is_nixl_available
 from kvabi.disagg.tcp_transport import TcpTransport
-from kvabi.disagg.transport import FetchRequest, KVPayload, TransportConfig
-from kvabi.wire.container_format import container_size
-
-SECRET = b"kvabi-bench-disagg-secret"
+from kvabi.disagg.transport import FetchRequest, TransportConfig
 
 
 def run(quick: bool, json_path: str | None, model_name: str = "smollm2-135m") -> dict:
-    model = catalog_model(model_name)
-    num_tokens = 1024 if quick else 4096  # x 23 KB/token (bf16) for SmolLM2; blocks of 16, 32
-    repeats = 7 if quick else 11
-    payload = _payload(preset_descriptor("vllm-flash-attn-hnd", model), num_tokens)
-    nbytes = container_size(payload.cache.desc, num_tokens, len(payload.block_hashes))
-    transport = TcpTransport(TransportConfig(SECRET))
-    server = transport.listen("127.0.0.1:0", payload.cache.desc, lambda _: payload)
-    dst_desc = preset_descriptor("vllm-flash-attn", model, block_size=32)
-    client = transport.connect(server.address, dst_desc)
-    request = FetchRequest(payload.token_ids)
-    raw_s, fetch_s, place_s = _interleaved_best(
-        [
-            _raw_copier(nbytes),
-            lambda: client.fetch(request),
-            lambda: stage_payload(client.fetch(request), dst_desc),
-        ],
-        repeats,
-    )
-    client.close(), server.close()
-    nixl_s = nixl_fetch_seconds(payload, dst_desc, repeats)
-    figures = {
-        "bytes": nbytes,
-        "num_tokens": num_tokens,
-        "raw_socket_gbps": nbytes / raw_s / 1e9,
-        "tcp_transport_gbps": nbytes / fetch_s / 1e9,
-        "ratio": raw_s / fetch_s,
-        "fetch_and_place_gbps": nbytes / place_s / 1e9,
-        "nixl_transport_gbps": nbytes / nixl_s / 1e9 if nixl_s else None,
-        "nixl_vs_raw_socket_ratio": raw_s / nixl_s if nixl_s else None,
-    }
-    nixl_row = (
-        ["kvabi nixl transport (fetch)", figures["nixl_transport_gbps"], raw_s / nixl_s]
-        if nixl_s
-        else ["kvabi nixl transport", "not installed", ""]
-    )
-    print_table(
-        f"KV transfer, {model_name}, {num_tokens} tokens, {nbytes / 1e6:.1f} MB over 127.0.0.1",
-        ["path", "GB/s", "vs raw socket"],
-        [
-            ["raw socket copy (baseline)", figures["raw_socket_gbps"], 1.0],
-            ["kvabi tcp transport (fetch)", figures["tcp_transport_gbps"], figures["ratio"]],
-            [
-                "fetch + convert HND/16 -> NHD/32",
-                figures["fetch_and_place_gbps"],
-                raw_s / place_s,
-            ],
-            nixl_row,
-        ],
-    )
+    figures = transfer(model_name, 1024 if quick else 4096, 40 if quick else 60)
     from kvabi.bench.disagg_load import run_load  # TTFT/ITL under a mixed load, real processes
 
     figures |= run_load(quick)
@@ -90,15 +41,89 @@ def run(quick: bool, json_path: str | None, model_name: str = "smollm2-135m") ->
     return figures
 
 
-def _payload(desc: object, num_tokens: int) -> KVPayload:
-    bs = desc.layout.block_size
-    num_tokens -= num_tokens % bs
-    tensors = {
-        k: torch.randn(v.shape).to(v.dtype) for k, v in allocate(desc, num_tokens // bs).items()
+def transfer(model_name: str, num_tokens: int, repeats: int) -> dict:
+    """The transfer rows: `num_tokens` (x 23 KB/token in bf16 for SmolLM2) sent as HND blocks
+    of 16 tokens to a decode side that keeps NHD blocks of 32. Each transport gets its own
+    prefill-side process and its own baseline, interleaved with it and nothing else."""
+    dst_desc = preset_descriptor("vllm-flash-attn", catalog_model(model_name), block_size=32)
+    with _peer(model_name, num_tokens, "tcp") as info:
+        client = TcpTransport(TransportConfig(SECRET)).connect(info["address"], dst_desc)
+        request = FetchRequest(token_ids(info["num_tokens"]))
+        raw = _raw_receiver(info["raw_port"], info["num_bytes"])
+        try:
+            raw_s, tcp_s = _interleaved_best([raw, lambda: client.fetch(request)], repeats)
+            place = lambda: stage_payload(client.fetch(request), dst_desc)  # noqa: E731
+            raw2_s, place_s = _interleaved_best([raw, place], max(3, repeats // 4))
+        finally:
+            client.close()
+    nbytes = info["num_bytes"]
+    figures = {
+        "bytes": nbytes,
+        "num_tokens": info["num_tokens"],
+        "raw_socket_gbps": nbytes / raw_s / 1e9,
+        "tcp_transport_gbps": nbytes / tcp_s / 1e9,
+        "ratio": raw_s / tcp_s,
+        "fetch_and_place_gbps": nbytes / place_s / 1e9,
+        "fetch_and_place_ratio": raw2_s / place_s,
+        "nixl_transport_gbps": None,
+        "nixl_vs_raw_socket_ratio": None,
     }
-    token_ids = tuple(i % 1000 for i in range(num_tokens))
-    hashes = hash_blocks(token_ids, bs, root_hash(desc.model.compat_digest()))
-    return KVPayload(0, token_ids, tuple(hashes), CacheBuffers(desc, tensors))
+    if is_nixl_available():
+        with _peer(model_name, num_tokens, "nixl") as info:
+            from kvabi.disagg.nixl_transport import NixlTransport
+
+            client = NixlTransport(TransportConfig(SECRET)).connect(info["address"], dst_desc)
+            raw = _raw_receiver(info["raw_port"], nbytes)
+            try:
+                raw_s, nixl_s = _interleaved_best([raw, lambda: client.fetch(request)], repeats)
+            finally:
+                client.close()
+        figures["nixl_transport_gbps"] = nbytes / nixl_s / 1e9
+        figures["nixl_vs_raw_socket_ratio"] = raw_s / nixl_s
+    _print(model_name, figures)
+    return figures
+
+
+@contextmanager
+def _peer(model_name: str, num_tokens: int, transport: str) -> Iterator[dict]:
+    """A prefill-side process (transfer_peer.py) serving over `transport`; yields its
+    addresses and stops it on exit."""
+    args = [sys.executable, "-m", "kvabi.bench.transfer_peer", model_name, str(num_tokens)]
+    with subprocess.Popen(
+        [*args, transport], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as peer:
+        assert peer.stdin is not None and peer.stdout is not None
+        try:
+            line = peer.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the bench's {transport} prefill-side process did not start")
+            yield json.loads(line)
+        finally:
+            peer.stdin.close()
+            peer.wait(30)
+
+
+def _print(model_name: str, f: dict) -> None:
+    nixl_row = (
+        ["kvabi nixl transport (fetch)", f["nixl_transport_gbps"], f["nixl_vs_raw_socket_ratio"]]
+        if f["nixl_transport_gbps"]
+        else ["kvabi nixl transport", "not installed", ""]
+    )
+    print_table(
+        f"KV transfer, {model_name}, {f['num_tokens']} tokens, {f['bytes'] / 1e6:.1f} MB over "
+        "127.0.0.1, prefill side in its own process",
+        ["path", "GB/s", "vs raw socket"],
+        [
+            ["raw socket copy of the container (baseline)", f["raw_socket_gbps"], 1.0],
+            ["kvabi tcp transport (fetch)", f["tcp_transport_gbps"], f["ratio"]],
+            [
+                "fetch + convert HND/16 -> NHD/32",
+                f["fetch_and_place_gbps"],
+                f["fetch_and_place_ratio"],
+            ],
+            nixl_row,
+        ],
+    )
 
 
 def _interleaved_best(fns: list[Callable[[], object]], repeats: int) -> list[float]:
@@ -114,18 +139,19 @@ def _interleaved_best(fns: list[Callable[[], object]], repeats: int) -> list[flo
     return best
 
 
-def _raw_copier(nbytes: int):  # noqa: ANN202 - a zero-argument timed function
-    listener = socket.create_server(("127.0.0.1", 0))
-    sender = socket.create_connection(listener.getsockname()[:2])
-    receiver, _ = listener.accept()
-    data, sink = bytes(nbytes), bytearray(nbytes)
+def _raw_receiver(port: int, nbytes: int) -> Callable[[], None]:
+    """One raw copy per call: ask the peer for the container bytes, receive them into a
+    preallocated buffer (4 MiB reads, as the transport's)."""
+    conn = socket.create_connection(("127.0.0.1", port))
+    sink = bytearray(nbytes)
 
     def copy() -> None:
-        thread = threading.Thread(target=sender.sendall, args=(data,))
-        thread.start()
+        conn.sendall(b"x")
         view, got = memoryview(sink), 0
         while got < nbytes:
-            got += receiver.recv_into(view[got:], min(nbytes - got, 4 * 2**20))
-        thread.join()
+            n = conn.recv_into(view[got:], min(nbytes - got, 4 * 2**20))
+            if not n:
+                raise ConnectionError("the bench's prefill-side process closed the raw socket")
+            got += n
 
     return copy

@@ -1,0 +1,86 @@
+"""The prefill side of `kvabi bench disagg`'s transfer rows, as its own process (as in a real
+deployment: prefill and decode never share an interpreter, so neither waits on the other's GIL).
+
+`python -m kvabi.bench.transfer_peer MODEL NUM_TOKENS tcp|nixl` builds a payload of random KV
+in the `vllm-flash-attn-hnd` layout (seeded: the same bytes every run), serves it on 127.0.0.1
+over that transport, and opens a raw socket that sends the payload's container bytes (held in
+memory, written once) for each byte it receives: the baseline. One transport per process: a
+NIXL agent's UCX threads would otherwise slow the TCP rows and the baseline. It prints one JSON
+line with the addresses, then serves until stdin closes.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import threading
+
+import torch
+
+from kvabi.abi.block_hash import hash_blocks, root_hash
+from kvabi.abi.buffers import CacheBuffers, allocate
+from kvabi.abi.catalog import catalog_model
+from kvabi.abi.descriptor import Descriptor
+from kvabi.abi.presets import preset_descriptor
+from kvabi.disagg.tcp_transport import TcpTransport
+from kvabi.disagg.transport import KVPayload, Transport, TransportConfig
+from kvabi.wire.container_writer import container_bytes
+
+SECRET = b"kvabi-bench-disagg-secret"
+SRC_PRESET = "vllm-flash-attn-hnd"
+
+
+def token_ids(num_tokens: int) -> tuple[int, ...]:
+    """The bench prompt's tokens (both processes derive them; only whole blocks are sent)."""
+    return tuple(i % 1000 for i in range(num_tokens))
+
+
+def payload(desc: Descriptor, num_tokens: int) -> KVPayload:
+    bs = desc.layout.block_size
+    num_tokens -= num_tokens % bs
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        k: torch.randn(v.shape, generator=gen).to(v.dtype)
+        for k, v in allocate(desc, num_tokens // bs).items()
+    }
+    ids = token_ids(num_tokens)
+    hashes = hash_blocks(ids, bs, root_hash(desc.model.compat_digest()))
+    return KVPayload(0, ids, tuple(hashes), CacheBuffers(desc, tensors))
+
+
+def main(model_name: str, num_tokens: int, transport: str) -> None:
+    desc = preset_descriptor(SRC_PRESET, catalog_model(model_name))
+    kv = payload(desc, num_tokens)
+    server = make_transport(transport).listen("127.0.0.1:0", desc, lambda _: kv)
+    blob = container_bytes(kv.cache, kv.token_ids, kv.block_hashes)
+    raw = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_send_on_request, args=(raw, blob), daemon=True).start()
+    addresses = {
+        "address": server.address,
+        "raw_port": raw.getsockname()[1],
+        "num_bytes": len(blob),
+        "num_tokens": len(kv.token_ids),
+    }
+    print(json.dumps(addresses), flush=True)
+    sys.stdin.read()  # the bench closes stdin (or exits) when done
+    server.close()
+
+
+def make_transport(name: str) -> Transport:
+    config = TransportConfig(SECRET)
+    if name == "nixl":
+        from kvabi.disagg.nixl_transport import NixlTransport
+
+        return NixlTransport(config)
+    return TcpTransport(config)
+
+
+def _send_on_request(listener: socket.socket, blob: bytes) -> None:
+    conn, _ = listener.accept()
+    while conn.recv(1):
+        conn.sendall(blob)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
