@@ -16,7 +16,7 @@ import socket
 import threading
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from kvabi.abi.descriptor import Descriptor
 from kvabi.disagg.errors import MessageTooLargeError, TransferError
@@ -26,6 +26,7 @@ from kvabi.disagg.handshake import client_handshake
 from kvabi.disagg.nixl_memory import Arena, ArenaInfo, make_agent
 from kvabi.disagg.nixl_read import NixlReadAbandoned
 from kvabi.disagg.nixl_windows import WindowReader
+from kvabi.disagg.receive_buffers import ReceiveBuffers
 from kvabi.disagg.transport import (
     FetchRequest,
     KVClient,
@@ -57,6 +58,7 @@ class NixlKVClient(KVClient):
         self._peer_agents: set[str] = set()
         self._idle: list[_Channel] = []
         self._lock = threading.Lock()
+        self._buffers = ReceiveBuffers()  # containers land in reused buffers (no page faults)
         channel, self.peer_desc = self._open()  # the handshake happens now, not at a request
         self._idle.append(channel)
 
@@ -154,9 +156,9 @@ class NixlKVClient(KVClient):
         size = self._checked_size(request, reply)
         timeouts = (self.config.io_timeout_s, self.config.transfer_timeout_s)
         assert self.arena is not None
-        data = torch.empty(size, dtype=torch.uint8)  # [size]: the container, not yet touched
-        WindowReader(conn, self.arena, slot, channel.peer, timeouts).read_all(data.numpy())
-        return self._payload(memoryview(data.numpy()), request, expected)
+        data = np.frombuffer(self._buffers.take(size), dtype=np.uint8)  # [size], not yet written
+        WindowReader(conn, self.arena, slot, channel.peer, timeouts).read_all(data)
+        return self._payload(memoryview(data), request, expected)
 
     def _checked_size(self, request: FetchRequest, reply: dict) -> int:
         start, size = reply.get("start_token"), reply.get("num_bytes")

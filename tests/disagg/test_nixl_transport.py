@@ -212,3 +212,19 @@ def test_kvabi_serve_over_nixl_decodes_like_colocated(tmp_path):
         assert decode.free_blocks() == (128, 128) and prefill.free_blocks() == (128, 128)
     finally:
         prefill.process.stop(), decode.process.stop()
+
+
+def test_an_idle_agent_does_not_spin() -> None:
+    """nixl's wrapper would run the progress thread without a pause: an idle decode or prefill
+    instance would then burn a whole core (1 CPU-s per second). Ours sleeps between passes."""
+    import resource
+
+    from kvabi.disagg.nixl_memory import make_agent
+
+    agent = make_agent("idle")
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    time.sleep(1.0)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    used = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    del agent
+    assert used < 0.4, f"{used:.2f} CPU-s in 1 s idle: the progress thread spins"
