@@ -27,7 +27,7 @@ run: .venv/.installed
 
 test: .venv/.installed
 	$(PY) -m ruff check kvabi tests
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 bench: .venv/.installed
 	$(PY) -m kvabi.cli.main bench convert --quick
