@@ -109,7 +109,6 @@ class SocketStream:
     arrived, at most CHUNK_BYTES, and at most `limit` bytes in all (the container's size,
     known from its header). A peer that closes before the end is a `PeerClosedError`."""
 
-
     def __init__(self, sock: socket.socket, head: bytes, limit: int) -> None:
         self.sock, self.head, self.left = sock, head, limit - len(head)
 
@@ -128,7 +127,6 @@ class SocketStream:
             raise PeerClosedError(f"peer closed the connection {self.left} bytes before its end")
         self.left -= got
         return got
-
 
 
 def _send_all(sock: socket.socket, data: bytes | memoryview) -> None:

@@ -82,7 +82,6 @@ class LayerSection:
         return iter((self.layer_id, self.tensors))
 
 
-
 @dataclass(eq=False)
 class Container:
     """A read container: the sequence's tokens and block hashes and its cache buffers."""
@@ -345,13 +344,14 @@ def _read_section(src: _Source, layout: SectionLayout, index: int) -> _Section:
 def _check_gaps(layout: SectionLayout, payload: memoryview, what: str) -> None:
     end = 0
     for spec, offset in zip(layout.specs, layout.offsets, strict=True):
-        if any(payload[end:offset]):
+        if offset > end and any(payload[end:offset]):
             raise FormatError(f"{what}: non-zero padding before buffer {spec.key!r}")
         end = offset + spec.num_bytes
 
 
 def _skip_padding(src: _Source, what: str) -> None:
-    if any(src.take(padding(src.pos), what)):
+    pad = padding(src.pos)
+    if pad and any(src.take(pad, what)):
         raise FormatError(f"the {what} before byte {src.pos} is not all zeros")
 
 
