@@ -10,8 +10,8 @@ import torch
 
 from kvabi.wire import container_bytes, iter_layers
 from kvabi.wire.container import LayerSection
-from kvabi.wire.errors import ChecksumError, TruncatedError
-from tests.wire.container_cases import DESCRIPTORS, filled, raw
+from kvabi.wire.errors import ChecksumError, FormatError, TruncatedError
+from tests.wire.container_cases import DESCRIPTORS, filled, raw, section_offsets
 
 
 class _Trickle(io.RawIOBase):
@@ -60,3 +60,20 @@ def test_a_corrupt_section_is_refused_as_without_a_buffer():
     bad[-100] ^= 0xFF  # in the last section's payload
     with pytest.raises(ChecksumError, match="layer 2 is corrupt"):
         list(iter_layers(io.BytesIO(bytes(bad)), into=memoryview(bytearray(len(data)))))
+
+
+@pytest.mark.parametrize("step", [7, 64, 1000, 1 << 20])
+def test_each_section_is_hashed_as_it_arrives_and_a_flipped_byte_is_caught(step):
+    """Section checksums are computed as the bytes arrive, however the reads fall: a byte
+    flipped in any section's checked header bytes or its payload (first, last) is refused for
+    that layer."""
+    _, data = _case()
+    layers = [0, 2]
+    starts = section_offsets(data)
+    for index, start in enumerate(starts):
+        end = starts[index + 1] if index + 1 < len(starts) else len(data) - 32
+        for offset in (start + 4, start + 15, start + 32, end - 1):
+            bad = bytearray(data)
+            bad[offset] ^= 0x10
+            with pytest.raises((ChecksumError, FormatError), match=f"layer {layers[index]}"):
+                list(iter_layers(_Trickle(bytes(bad), step), into=memoryview(bytearray(len(bad)))))

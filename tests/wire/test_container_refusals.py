@@ -6,7 +6,6 @@ import io
 import struct
 
 import pytest
-import torch
 
 from kvabi.abi.descriptor import Descriptor, LayerSpec, Layout, ModelSpec
 from kvabi.abi.errors import DescriptorError, IncompatibleError, KvabiError, ShapeError
@@ -156,49 +155,3 @@ def test_every_error_is_a_kvabi_error() -> None:
         FormatError,
     ):
         assert issubclass(error, KvabiError) and issubclass(error, ContainerError)
-
-
-class _Chunks(io.RawIOBase):
-    """A stream handing out at most `step` bytes per read (a socket's partial receives)."""
-
-    def __init__(self, data: bytes, step: int) -> None:
-        self._data, self._pos, self._step = data, 0, step
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buf: memoryview) -> int:  # type: ignore[override]
-        n = min(self._step, len(buf), len(self._data) - self._pos)
-        buf[:n] = self._data[self._pos : self._pos + n]
-        self._pos += n
-        return n
-
-
-@pytest.mark.parametrize("step", [7, 64, 1000, 1 << 20])
-def test_read_ahead_checks_sections_as_they_arrive(step: int) -> None:
-    """With a receive buffer, section checksums are computed on arrival (however the reads
-    fall): a good container reads back bit-exact, and a byte flipped in any section's header
-    head or payload is caught for that layer, and only that one."""
-    desc = DESCRIPTORS["unpaged_separate_HCT_f16"]  # two sections, a gap-free and a shared layer
-    cache = filled(desc, 5)
-    data = container_bytes(cache, [1, 2, 3, 4, 5])
-    items = list(iter_layers(_Chunks(data, step), desc.model, memoryview(bytearray(len(data)))))
-    for section in items[1:]:
-        for key, t in section.tensors.items():
-            assert (
-                t.contiguous().view(torch.uint8).tolist()
-                == cache.tensors[key].contiguous().view(torch.uint8).tolist()
-            )
-    starts = section_offsets(data)
-    for index, start in enumerate(starts):
-        end = starts[index + 1] if index + 1 < len(starts) else len(data) - 32
-        for offset in (start + 4, start + 15, start + 32, end - 1):  # head, payload (first/last)
-            bad = bytearray(data)
-            bad[offset] ^= 0x10
-            layer = items[1 + index].layer_id
-            with pytest.raises((ChecksumError, FormatError), match=f"layer {layer}"):
-                list(
-                    iter_layers(
-                        _Chunks(bytes(bad), step), desc.model, memoryview(bytearray(len(bad)))
-                    )
-                )
