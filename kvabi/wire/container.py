@@ -203,9 +203,8 @@ class _ReadAheadSource:
             end = payload + layout.payload_len
             self._ranges += [(at, at + SECTION_HEAD_CHECKED, i), (payload, end, i)]
             self._states.append(checksum_state())
-            at = end
+            at = end + padding(end)
 
-            at += padding(at)
         self._hash_arrived()
 
     def section_sum(self, index: int) -> int | None:
