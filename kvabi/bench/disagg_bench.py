@@ -62,7 +62,7 @@ def transfer(model_name: str, num_tokens: int, repeats: int) -> dict:
         "num_tokens": info["num_tokens"],
         "raw_socket_gbps": nbytes / raw_s / 1e9,
         "tcp_transport_gbps": nbytes / tcp_s / 1e9,
-        "ratio": raw_s / tcp_s,
+        "tcp_vs_raw_socket_ratio": raw_s / tcp_s,
         "fetch_and_place_gbps": nbytes / place_s / 1e9,
         "fetch_and_place_ratio": raw2_s / place_s,
         "nixl_transport_gbps": None,
@@ -115,7 +115,7 @@ def _print(model_name: str, f: dict) -> None:
         ["path", "GB/s", "vs raw socket"],
         [
             ["raw socket copy of the container (baseline)", f["raw_socket_gbps"], 1.0],
-            ["kvabi tcp transport (fetch)", f["tcp_transport_gbps"], f["ratio"]],
+            ["kvabi tcp transport (fetch)", f["tcp_transport_gbps"], f["tcp_vs_raw_socket_ratio"]],
             [
                 "fetch + convert HND/16 -> NHD/32",
                 f["fetch_and_place_gbps"],
