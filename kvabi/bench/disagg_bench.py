@@ -23,13 +23,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from kvabi.abi.catalog import catalog_model
+from kvabi.abi.descriptor import Descriptor
 from kvabi.abi.presets import preset_descriptor
 from kvabi.bench.report import print_table, write_json
-from kvabi.bench.transfer_peer import SECRET, token_ids
+from kvabi.bench.transfer_peer import make_transport, token_ids
 from kvabi.disagg.kv_inject import stage_payload
 from kvabi.disagg.nixl_memory import is_nixl_available
-from kvabi.disagg.tcp_transport import TcpTransport
-from kvabi.disagg.transport import FetchRequest, TransportConfig
+from kvabi.disagg.transport import FetchRequest
 
 
 def run(quick: bool, json_path: str | None, model_name: str = "smollm2-135m") -> dict:
@@ -46,42 +46,53 @@ def transfer(model_name: str, num_tokens: int, repeats: int) -> dict:
     of 16 tokens to a decode side that keeps NHD blocks of 32. Each transport gets its own
     prefill-side process and its own baseline, interleaved with it and nothing else."""
     dst_desc = preset_descriptor("vllm-flash-attn", catalog_model(model_name), block_size=32)
-    with _peer(model_name, num_tokens, "tcp") as info:
-        client = TcpTransport(TransportConfig(SECRET)).connect(info["address"], dst_desc)
-        request = FetchRequest(token_ids(info["num_tokens"]))
-        raw = _raw_receiver(info["raw_port"], info["num_bytes"])
-        try:
-            raw_s, tcp_s = _interleaved_best([raw, lambda: client.fetch(request)], repeats)
-            place = lambda: stage_payload(client.fetch(request), dst_desc)  # noqa: E731
-            raw2_s, place_s = _interleaved_best([raw, place], max(3, repeats // 4))
-        finally:
-            client.close()
+    info, t = _fetch_times(model_name, num_tokens, "tcp", dst_desc, repeats, place=True)
     nbytes = info["num_bytes"]
     figures = {
         "bytes": nbytes,
         "num_tokens": info["num_tokens"],
-        "raw_socket_gbps": nbytes / raw_s / 1e9,
-        "tcp_transport_gbps": nbytes / tcp_s / 1e9,
-        "tcp_vs_raw_socket_ratio": raw_s / tcp_s,
-        "fetch_and_place_gbps": nbytes / place_s / 1e9,
-        "fetch_and_place_ratio": raw2_s / place_s,
+        "raw_socket_gbps": nbytes / t["raw"] / 1e9,
+        "tcp_transport_gbps": nbytes / t["fetch"] / 1e9,
+        "tcp_vs_raw_socket_ratio": t["raw"] / t["fetch"],
+        "fetch_and_place_gbps": nbytes / t["place"] / 1e9,
+        "fetch_and_place_ratio": t["raw_place"] / t["place"],
         "nixl_transport_gbps": None,
         "nixl_vs_raw_socket_ratio": None,
     }
     if is_nixl_available():
-        with _peer(model_name, num_tokens, "nixl") as info:
-            from kvabi.disagg.nixl_transport import NixlTransport
-
-            client = NixlTransport(TransportConfig(SECRET)).connect(info["address"], dst_desc)
-            raw = _raw_receiver(info["raw_port"], nbytes)
-            try:
-                raw_s, nixl_s = _interleaved_best([raw, lambda: client.fetch(request)], repeats)
-            finally:
-                client.close()
-        figures["nixl_transport_gbps"] = nbytes / nixl_s / 1e9
-        figures["nixl_vs_raw_socket_ratio"] = raw_s / nixl_s
+        _, t = _fetch_times(model_name, num_tokens, "nixl", dst_desc, repeats)
+        figures["nixl_transport_gbps"] = nbytes / t["fetch"] / 1e9
+        figures["nixl_vs_raw_socket_ratio"] = t["raw"] / t["fetch"]
     _print(model_name, figures)
     return figures
+
+
+def _fetch_times(
+    model_name: str,
+    num_tokens: int,
+    transport: str,
+    dst_desc: Descriptor,
+    repeats: int,
+    place: bool = False,
+) -> tuple[dict, dict[str, float]]:
+    """The peer's info and best seconds of: its raw copy (`raw`) and a fetch over `transport`
+    (`fetch`), interleaved; with `place`, also a fetch converted for placement (`place`) and
+    the raw copy interleaved with it (`raw_place`)."""
+    with _peer(model_name, num_tokens, transport) as info:
+        client = make_transport(transport).connect(info["address"], dst_desc)
+        request = FetchRequest(token_ids(info["num_tokens"]))
+        raw = _raw_receiver(info["raw_port"], info["num_bytes"])
+        try:
+            raw_s, fetch_s = _interleaved_best([raw, lambda: client.fetch(request)], repeats)
+            times = {"raw": raw_s, "fetch": fetch_s}
+            if place:
+                fn = lambda: stage_payload(client.fetch(request), dst_desc)  # noqa: E731
+                times["raw_place"], times["place"] = _interleaved_best(
+                    [raw, fn], max(3, repeats // 4)
+                )
+        finally:
+            client.close()
+    return info, times
 
 
 @contextmanager
