@@ -27,6 +27,7 @@ from kvabi.cache.kv_storage import KVStorage
 from kvabi.cache.prefix_cache import PrefixCache
 from kvabi.cache.tier_config import TierConfig
 from kvabi.cache.tiered_cache import TieredCache
+from kvabi.engine.fused_decode import FusedDecode
 from kvabi.engine.outputs import RequestOutput, request_output
 from kvabi.engine.paged_attention import PagedAttention
 from kvabi.engine.runner import ModelRunner
@@ -50,6 +51,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # default: the model's context length
     attention_backend: str = "native"  # native, batched or reference (paged_attention.py)
+    fused_decode: bool = True  # decode-only steps in one C++ call where it can (fused_decode.py)
     enable_prefix_caching: bool = True
     tiers: TierConfig = TierConfig()  # host / disk / Redis below the pool; default: none
 
@@ -106,8 +108,10 @@ class LLMEngine:
         )
         self._sessions: dict[str, int] = {}  # live requests per session
         attention = PagedAttention(self.storage, config.attention_backend)
-        model = loaded.model.fuse_projections().use_kernels(attention.kernels)
-        self.runner = ModelRunner(model, attention)
+        kernels = attention.kernels
+        model = loaded.model.fuse_projections(kernels=kernels).use_kernels(kernels)
+        fused = FusedDecode.build(model, self.storage, kernels) if config.fused_decode else None
+        self.runner = ModelRunner(model, attention, fused)
         self.requests: dict[str, list[Sequence]] = {}
         self._ids = itertools.count()
         # Set by a prefill instance (kvabi/server/kv_roles.py) to send a prompt's KV layer by

@@ -6,15 +6,19 @@ from collections.abc import Callable
 
 import torch
 
+from kvabi.engine.fused_decode import FusedDecode
 from kvabi.engine.paged_attention import PagedAttention, SeqSlice, StepContext
 from kvabi.engine.scheduler import ScheduledBatch
 from kvabi.models.llama import LlamaModel
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, attention: PagedAttention) -> None:
+    def __init__(
+        self, model: LlamaModel, attention: PagedAttention, fused: FusedDecode | None = None
+    ) -> None:
         self.model = model
         self.attention = attention
+        self.fused = fused  # decode-only steps without a layer callback, where it applies
         self.block_size = attention.storage.block_size
 
     @torch.inference_mode()
@@ -25,8 +29,12 @@ class ModelRunner:
         order of the batch's sequences that sample this step. `on_layer(layer_id)` runs once
         each layer's K/V of the step are stored (`PagedAttention.step`)."""
         ids, positions, ctx, sample_rows = self._prepare(batch)
+        if self.fused is not None and on_layer is None and not ctx.prefills:
+            hidden = self.fused.hidden_states(ids, positions, ctx)
+            return self.model.compute_logits(hidden[sample_rows]).float()
         with self.attention.step(ctx, on_layer):
             hidden = self.model.hidden_states(ids, positions, self.attention)
+
         return self.model.compute_logits(hidden[sample_rows]).float()
 
     def _prepare(

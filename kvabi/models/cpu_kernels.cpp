@@ -21,11 +21,17 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 #include <type_traits>
+#include <utility>
 #include <vector>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -90,77 +96,132 @@ inline void for_each_token(const T* base, const Pool& pool, const int64_t* table
   }
 }
 
-// Scores q.k * scale of a bf16 cache with AVX512-BF16's dot-product instruction: the bf16
-// products are exact in float32 as in the generic path; only the summation order differs. It
-// reads K without converting it and sums 32 products per instruction. Returns false (nothing
-// done) where it does not apply: float32, a head size other than 64/128, more than 8 query
-// heads per KV head, or a CPU/compiler without AVX512-BF16.
-template <typename T, int DIM>
-bool bf16_scores(const T* q, int group, const Pool& pool, const int64_t* table,
-                 int64_t context_len, int64_t offset, float scale, float* scores) {
+using Bf16Attend = void (*)(const uint16_t*, uint16_t*, const Pool&, const int64_t*, int64_t,
+                            int64_t, float, std::vector<float>&);
+
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, uint16_t> && (DIM == 64 || DIM == 128)) {
-    constexpr int kChunks = DIM / 32;  // 32 bf16 per 512-bit register
-    if (group > 8) return false;
-    __m512bh qv[8][kChunks];
-    for (int g = 0; g < group; ++g)
-      for (int c = 0; c < kChunks; ++c)
-        qv[g][c] = (__m512bh)_mm512_loadu_si512(q + g * DIM + c * 32);
-    for_each_token(static_cast<const T*>(pool.k), pool, table, context_len, offset,
-                   [&](int64_t t, const T* k) {
-                     __m512bh kv[kChunks];
-                     for (int c = 0; c < kChunks; ++c)
-                       kv[c] = (__m512bh)_mm512_loadu_si512(k + c * 32);
-                     for (int g = 0; g < group; ++g) {
-                       __m512 acc = _mm512_setzero_ps();
-                       for (int c = 0; c < kChunks; ++c) acc = _mm512_dpbf16_ps(acc, qv[g][c], kv[c]);
-                       scores[g * context_len + t] = _mm512_reduce_add_ps(acc) * scale;
-                     }
-                   });
-    return true;
+// The lane sums of 16 vectors as one vector: out[j] = sum of v[j]'s 16 lanes (a transpose-add
+// tree: 15 adds and 30 shuffles instead of 16 horizontal reductions).
+inline __m512 sum16(const __m512* v) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
   }
-#endif
-  (void)q, (void)group, (void)pool, (void)table, (void)context_len, (void)offset, (void)scale;
-  (void)scores;
-  return false;
+  for (int i = 0; i < 2; ++i)
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88),
+                       _mm512_shuffle_f32x4(y[0], y[1], 0xdd));
 }
 
-// acc[g] = sum_t p[g][t] * v_t for a bf16 cache with the accumulators held in registers (the
-// generic loop keeps them in memory: a load and a store per multiply-add). Same float32
-// arithmetic as the generic path. Returns false where it does not apply (float32, head size
-// other than 64/128, more accumulators than registers).
-template <typename T, int DIM>
-bool bf16_weighted_sum(int group, const Pool& pool, const int64_t* table, int64_t context_len,
-                       int64_t offset, const float* p, float* acc) {
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, uint16_t> && (DIM == 64 || DIM == 128)) {
-    constexpr int kChunks = DIM / 16;  // 16 floats per 512-bit register
-    constexpr int kMaxGroup = 16 / kChunks;  // 16 accumulator registers
-    if (group > kMaxGroup) return false;
-    __m512 sums[kMaxGroup][kChunks];
-    for (int g = 0; g < kMaxGroup; ++g)
-      for (int c = 0; c < kChunks; ++c) sums[g][c] = _mm512_setzero_ps();
-    for_each_token(static_cast<const T*>(pool.v), pool, table, context_len, offset,
-                   [&](int64_t t, const T* v) {
-                     __m512 vf[kChunks];
-                     for (int c = 0; c < kChunks; ++c) {
-                       const __m256i raw = _mm256_loadu_si256(
-                           reinterpret_cast<const __m256i*>(v + c * 16));
-                       vf[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-                     }
-                     for (int g = 0; g < group; ++g) {
-                       const __m512 weight = _mm512_set1_ps(p[g * context_len + t]);
-                       for (int c = 0; c < kChunks; ++c)
-                         sums[g][c] = _mm512_fmadd_ps(weight, vf[c], sums[g][c]);
-                     }
-                   });
-    for (int g = 0; g < group; ++g)
-      for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(acc + g * DIM + c * 16, sums[g][c]);
-    return true;
+inline __m512 bf16x16_to_f32(const uint16_t* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// One (sequence, KV head) of a bf16 cache, with the head size and the number of query heads per
+// KV head fixed at compile time so that every accumulator lives in a register. Same arithmetic
+// as the generic `attend` (bf16 products are exact in float32, float32 sums, one rounding of
+// the output); only the summation order differs.
+//  - scores: 16 tokens at a time, 32 products per AVX512-BF16 instruction, the 16 dot products
+//    summed together (sum16), the running maximum kept as a vector;
+//  - softmax over the scores row;
+//  - weighted sum of V: each V row is widened once for all GROUP heads.
+template <int DIM, int GROUP>
+void attend_bf16(const uint16_t* q, uint16_t* out, const Pool& pool, const int64_t* table,
+                 int64_t context_len, int64_t kv_head, float scale, std::vector<float>& buf) {
+  constexpr int kDot = DIM / 32, kAcc = DIM / 16;
+  const int64_t stride = (context_len + 15) / 16 * 16;  // one scores row per query head
+  buf.resize(static_cast<size_t>(GROUP) * stride);
+  float* scores = buf.data();
+  const int64_t offset = kv_head * pool.head_stride;
+  __m512 peak[GROUP];
+  for (int g = 0; g < GROUP; ++g) peak[g] = _mm512_set1_ps(-INFINITY);
+  const uint16_t* rows[16];
+  int n = 0;
+  int64_t t0 = 0;
+  auto flush = [&]() {
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+    for (int g = 0; g < GROUP; ++g) {
+      __m512bh qv[kDot];
+      for (int c = 0; c < kDot; ++c)
+        qv[c] = (__m512bh)_mm512_loadu_si512(q + g * DIM + c * 32);
+      __m512 dots[16];
+      for (int j = 0; j < 16; ++j) {
+        dots[j] = _mm512_setzero_ps();
+        if (j < n)
+          for (int c = 0; c < kDot; ++c)
+            dots[j] = _mm512_dpbf16_ps(dots[j], qv[c],
+                                       (__m512bh)_mm512_loadu_si512(rows[j] + c * 32));
+      }
+      const __m512 s = _mm512_mul_ps(sum16(dots), _mm512_set1_ps(scale));
+      peak[g] = _mm512_mask_max_ps(peak[g], valid, peak[g], s);
+      _mm512_storeu_ps(scores + g * stride + t0, s);
+    }
+    t0 += n;
+    n = 0;
+  };
+  for_each_token(static_cast<const uint16_t*>(pool.k), pool, table, context_len, offset,
+                 [&](int64_t, const uint16_t* k) {
+                   rows[n++] = k;
+                   if (n == 16) flush();
+                 });
+  if (n > 0) flush();
+  float inv_sum[GROUP];
+  for (int g = 0; g < GROUP; ++g) {
+    float* s = scores + g * stride;
+    const float top = _mm512_reduce_max_ps(peak[g]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < context_len; ++t) {
+      s[t] = exp_approx(s[t] - top);
+      sum += s[t];
+    }
+    inv_sum[g] = 1.0f / sum;
   }
+  __m512 acc[GROUP][kAcc];
+  for (int g = 0; g < GROUP; ++g)
+    for (int c = 0; c < kAcc; ++c) acc[g][c] = _mm512_setzero_ps();
+  for_each_token(static_cast<const uint16_t*>(pool.v), pool, table, context_len, offset,
+                 [&](int64_t t, const uint16_t* v) {
+                   __m512 vf[kAcc];
+                   for (int c = 0; c < kAcc; ++c) vf[c] = bf16x16_to_f32(v + c * 16);
+                   for (int g = 0; g < GROUP; ++g) {
+                     const __m512 w = _mm512_set1_ps(scores[g * stride + t]);
+                     for (int c = 0; c < kAcc; ++c) acc[g][c] = _mm512_fmadd_ps(w, vf[c], acc[g][c]);
+                   }
+                 });
+  for (int g = 0; g < GROUP; ++g) {
+    alignas(64) float row[DIM];
+    for (int c = 0; c < kAcc; ++c)
+      _mm512_store_ps(row + c * 16, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv_sum[g])));
+    for (int d = 0; d < DIM; ++d) out[g * DIM + d] = bf16_bits(row[d]);
+  }
+}
+
+// The attend_bf16 instance for (DIM, group), or nullptr where there is none (group > 8).
+template <int DIM, int... G>
+Bf16Attend pick_bf16(int group, std::integer_sequence<int, G...>) {
+  Bf16Attend fn = nullptr;
+  ((group == G + 1 ? (fn = &attend_bf16<DIM, G + 1>, 0) : 0), ...);
+  return fn;
+}
 #endif
-  (void)group, (void)pool, (void)table, (void)context_len, (void)offset, (void)p, (void)acc;
-  return false;
+
+// The bf16 fast path for this head size and group, or nullptr (the generic path runs).
+template <int DIM>
+Bf16Attend fast_attend(int group) {
+#if defined(__AVX512BF16__)
+  if constexpr (DIM == 64 || DIM == 128)
+    return pick_bf16<DIM>(group, std::make_integer_sequence<int, 8>{});
+#endif
+  (void)group;
+  return nullptr;
 }
 
 // One (sequence, KV head): the `group` query heads that share that KV head. DIM > 0 fixes the
@@ -177,24 +238,24 @@ void attend(const T* q, T* out, const Pool& pool, const int64_t* table, int64_t 
   float* r = row.data();
   for (int i = 0; i < group * head_dim; ++i) qf[i] = to_f32(q[i]) * scale;
   const int64_t offset = kv_head * pool.head_stride;
-  const T* kc = static_cast<const T*>(pool.k);
-  if (!bf16_scores<T, DIM>(q, group, pool, table, context_len, offset, scale, scores.data())) {
-    for_each_token(kc, pool, table, context_len, offset, [&](int64_t t, const T* k) {
+  for_each_token(static_cast<const T*>(pool.k), pool, table, context_len, offset,
+                 [&](int64_t t, const T* k) {
 #pragma omp simd
-      for (int d = 0; d < head_dim; ++d) r[d] = to_f32(k[d]);
-      for (int g = 0; g < group; ++g) {
-        const float* qg = &qf[static_cast<size_t>(g) * head_dim];
-        float dot = 0.0f;
+    for (int d = 0; d < head_dim; ++d) r[d] = to_f32(k[d]);
+    for (int g = 0; g < group; ++g) {
+      const float* qg = &qf[static_cast<size_t>(g) * head_dim];
+      float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-        for (int d = 0; d < head_dim; ++d) dot += qg[d] * r[d];
-        scores[static_cast<size_t>(g) * context_len + t] = dot;
-      }
-    });
-  }
+      for (int d = 0; d < head_dim; ++d) dot += qg[d] * r[d];
+      scores[static_cast<size_t>(g) * context_len + t] = dot;
+    }
+  });
   std::vector<float> inv_sum(group);
   for (int g = 0; g < group; ++g) {
     float* s = &scores[static_cast<size_t>(g) * context_len];
-    const float peak = *std::max_element(s, s + context_len);
+    float peak = -INFINITY;
+#pragma omp simd reduction(max : peak)
+    for (int64_t t = 0; t < context_len; ++t) peak = std::max(peak, s[t]);
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < context_len; ++t) {
@@ -203,40 +264,46 @@ void attend(const T* q, T* out, const Pool& pool, const int64_t* table, int64_t 
     }
     inv_sum[g] = 1.0f / sum;
   }
-  const T* vc = static_cast<const T*>(pool.v);
-  if (!bf16_weighted_sum<T, DIM>(group, pool, table, context_len, offset, scores.data(),
-                                 acc.data())) {
-    for_each_token(vc, pool, table, context_len, offset, [&](int64_t t, const T* v) {
+  for_each_token(static_cast<const T*>(pool.v), pool, table, context_len, offset,
+                 [&](int64_t t, const T* v) {
 #pragma omp simd
-      for (int d = 0; d < head_dim; ++d) r[d] = to_f32(v[d]);
-      for (int g = 0; g < group; ++g) {
-        const float p = scores[static_cast<size_t>(g) * context_len + t];
-        float* a = &acc[static_cast<size_t>(g) * head_dim];
+    for (int d = 0; d < head_dim; ++d) r[d] = to_f32(v[d]);
+    for (int g = 0; g < group; ++g) {
+      const float p = scores[static_cast<size_t>(g) * context_len + t];
+      float* a = &acc[static_cast<size_t>(g) * head_dim];
 #pragma omp simd
-        for (int d = 0; d < head_dim; ++d) a[d] += p * r[d];
-      }
-    });
-  }
+      for (int d = 0; d < head_dim; ++d) a[d] += p * r[d];
+    }
+  });
   for (int g = 0; g < group; ++g)
     for (int d = 0; d < head_dim; ++d)
       store(acc[static_cast<size_t>(g) * head_dim + d] * inv_sum[g], &out[g * head_dim + d]);
 }
 
 template <typename T, int DIM>
-void decode(const T* q, T* out, const Pool& pool, const int64_t* tables, int64_t table_width,
-            const int64_t* context_lens, int64_t num_seqs, int num_heads, int num_kv_heads,
+void decode(const T* q, int64_t q_stride, T* out, const Pool& pool, const int64_t* tables,
+            int64_t table_width, const int64_t* context_lens, int64_t num_seqs, int num_heads, int num_kv_heads,
             int head_dim, float scale, int num_threads) {
   const int group = num_heads / num_kv_heads;
   const int64_t work = num_seqs * num_kv_heads;
+  Bf16Attend fast = nullptr;
+  if constexpr (std::is_same_v<T, uint16_t>) fast = fast_attend<DIM>(group);
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<float> scores, acc, qf, row;  // per thread, reused across its items
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < work; ++item) {
       const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
-      const int64_t offset = (s * num_heads + h * group) * head_dim;
-      attend<T, DIM>(q + offset, out + offset, pool, tables + s * table_width, context_lens[s], h,
-                group, head_dim, scale, scores, acc, qf, row);
+      const T* qs = q + s * q_stride + h * group * head_dim;  // this KV head's query heads
+      T* os = out + (s * num_heads + h * group) * head_dim;
+      if constexpr (std::is_same_v<T, uint16_t>) {
+        if (fast != nullptr) {
+          fast(qs, os, pool, tables + s * table_width, context_lens[s], h, scale, scores);
+          continue;
+        }
+      }
+      attend<T, DIM>(qs, os, pool, tables + s * table_width, context_lens[s], h, group, head_dim,
+                     scale, scores, acc, qf, row);
     }
   }
 }
@@ -314,12 +381,204 @@ void rope(T* x, int64_t token_stride, int64_t tokens, int64_t heads, int64_t hea
   }
 }
 
+// ---- bf16 GEMM on AMX tiles: y[m, n] = x[m, k] @ W^T (+ bias) ----
+// W is packed once (`CpuKernels.amx_pack`) into 1 KiB tiles in the order the kernel reads them:
+// [n/16][k/32][16 pairs of k][16 columns of n][2], AMX's "VNNI" B layout, so each thread
+// streams its columns' weights front to back. Products are exact in float32 and summed in
+// float32 by the tile unit, rounded once to bf16 (the bias added in float32 first): the same
+// arithmetic as the oneDNN AMX GEMM behind F.linear, with the same bits up to 32 rows (tests
+// compare them; with more rows oneDNN blocks differently and a rare element rounds the other
+// way). At decode sizes the GEMM only streams weights; prefetching a few tiles ahead and no
+// per-call weight reorder make it ~2x oneDNN's packed GEMM called through torch.
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define KVABI_HAVE_AMX 1
+struct TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles: 0, 1 = C of rows 0-15 for the two column tiles of a pair; 2, 3 = C of rows 16-31;
+// 4, 5 = A (x) rows 0-15 and 16-31; 6, 7 = B (W) of the two column tiles.
+inline void amx_configure(int rows) {
+  TileConfig cfg;
+  const int low = std::min(rows, 16), high = std::max(rows - 16, 1);
+  for (int t : {0, 1, 4}) cfg.rows[t] = static_cast<uint8_t>(low);
+  for (int t : {2, 3, 5}) cfg.rows[t] = static_cast<uint8_t>(high);
+  for (int t : {6, 7}) cfg.rows[t] = 16;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// One 16x16 float32 C tile (in c, row stride 16) -> bf16 rows of y, + bias in float32.
+inline void amx_emit(const float* c, int rows, uint16_t* y, int64_t ldy, const uint16_t* bias) {
+  const __m512 b = bias == nullptr ? _mm512_setzero_ps() : bf16x16_to_f32(bias);
+  for (int r = 0; r < rows; ++r) {
+    const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + r * 16), b);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), (__m256i)_mm512_cvtneps_pbh(v));
+  }
+}
+
+constexpr int kPrefetchTiles = 4;  // B tiles fetched ahead of use (measured best of 2/4/8)
+
+inline void prefetch_tile(const uint16_t* tile) {
+  for (int line = 0; line < 16; ++line)
+    _mm_prefetch(reinterpret_cast<const char*>(tile) + line * 64, _MM_HINT_T0);
+}
+
+void amx_linear(const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_t* bias,
+                uint16_t* y, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads) {
+  const int64_t col_tiles = n / 16, k_steps = k / 32, pairs = (col_tiles + 1) / 2;
+  for (int64_t r0 = 0; r0 < m; r0 += 32) {
+    const int rows = static_cast<int>(std::min<int64_t>(m - r0, 32));
+    const int low = std::min(rows, 16);
+    const uint16_t* xa = x + r0 * ldx;
+    uint16_t* ya = y + r0 * ldy;
+#pragma omp parallel num_threads(num_threads) if (pairs > 1)
+    {
+      amx_configure(rows);
+      alignas(64) float c[16 * 16];
+#pragma omp for schedule(static)
+      for (int64_t p = 0; p < pairs; ++p) {
+        const int64_t j = 2 * p;
+        const bool two = j + 1 < col_tiles;
+        const uint16_t* b0 = w + j * k_steps * 512;
+        const uint16_t* b1 = b0 + k_steps * 512;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kk = 0; kk < k_steps; ++kk) {
+          if (kk + kPrefetchTiles < k_steps) {
+            prefetch_tile(b0 + (kk + kPrefetchTiles) * 512);
+            if (two) prefetch_tile(b1 + (kk + kPrefetchTiles) * 512);
+          }
+          _tile_loadd(4, xa + kk * 32, ldx * 2);
+          if (rows > 16) _tile_loadd(5, xa + 16 * ldx + kk * 32, ldx * 2);
+          _tile_loadd(6, b0 + kk * 512, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          if (rows > 16) _tile_dpbf16ps(2, 5, 6);
+          if (two) {
+            _tile_loadd(7, b1 + kk * 512, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            if (rows > 16) _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        const uint16_t* bias0 = bias == nullptr ? nullptr : bias + j * 16;
+        const uint16_t* bias1 = bias == nullptr ? nullptr : bias + j * 16 + 16;
+        _tile_stored(0, c, 64);
+        amx_emit(c, low, ya + j * 16, ldy, bias0);
+        if (two) {
+          _tile_stored(1, c, 64);
+          amx_emit(c, low, ya + j * 16 + 16, ldy, bias1);
+        }
+        if (rows > 16) {
+          _tile_stored(2, c, 64);
+          amx_emit(c, rows - 16, ya + 16 * ldy + j * 16, ldy, bias0);
+          if (two) {
+            _tile_stored(3, c, 64);
+            amx_emit(c, rows - 16, ya + 16 * ldy + j * 16 + 16, ldy, bias1);
+          }
+        }
+      }
+      _tile_release();
+    }
+  }
+}
+
+// ---- A whole decode step's layers in one call (bf16, AMX) ----
+// The same sequence of operations as LlamaModel's per-layer forward with the kernels and packed
+// GEMMs (kvabi/models/llama.py), each with the same arithmetic and roundings, but without a
+// return to Python between them: that per-op dispatch cost about as much as the step's GEMMs.
+struct DecodeLayer {
+  const uint16_t* input_norm;  // [hidden]
+  const uint16_t* post_norm;   // [hidden]
+  const uint16_t* qkv;         // AMX-packed [q + 2 kv, hidden]
+  const uint16_t* qkv_bias;    // [q + 2 kv] or null
+  const uint16_t* o;           // AMX-packed [hidden, q]
+  const uint16_t* o_bias;
+  const uint16_t* gate_up;     // AMX-packed [2 inter, hidden]
+  const uint16_t* gate_up_bias;
+  const uint16_t* down;        // AMX-packed [hidden, inter]
+  const uint16_t* down_bias;
+  uint16_t* k_cache;           // this layer's pools (strides in DecodeShape)
+  uint16_t* v_cache;
+};
+
+struct DecodeShape {
+  int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
+  int64_t block_stride, slot_stride, head_stride, block_size;  // K and V pools alike
+  float eps;
+};
+
+void decode_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeShape& d,
+                   uint16_t* x, int64_t rows, const uint16_t* cos, const uint16_t* sin,
+                   const int64_t* slot_blocks, const int64_t* slot_offsets,
+                   const int64_t* tables, int64_t table_width, const int64_t* context_lens,
+                   int num_threads) {
+  const int64_t q_size = d.num_heads * d.head_dim, kv_size = d.num_kv_heads * d.head_dim;
+  const int64_t qkv_size = q_size + 2 * kv_size, inter = d.intermediate, hidden = d.hidden;
+  std::vector<uint16_t> h(rows * hidden), qkv(rows * qkv_size), attn(rows * q_size),
+      proj(rows * hidden), gate_up(rows * 2 * inter), act(rows * inter);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d.head_dim));
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const DecodeLayer& w = layers[l];
+    rms_norm<uint16_t>(x, hidden, nullptr, w.input_norm, h.data(), rows, hidden, d.eps,
+                       num_threads);
+    amx_linear(h.data(), hidden, w.qkv, w.qkv_bias, qkv.data(), qkv_size, rows, qkv_size, hidden,
+               num_threads);
+    rope<uint16_t>(qkv.data(), qkv_size, rows, d.num_heads + d.num_kv_heads, d.head_dim, cos, sin,
+                   num_threads);
+    for (int64_t r = 0; r < rows; ++r) {  // the new token's K and V into its slot
+      const int64_t base = slot_blocks[r] * d.block_stride + slot_offsets[r] * d.slot_stride;
+      for (int64_t kh = 0; kh < d.num_kv_heads; ++kh) {
+        const uint16_t* k = qkv.data() + r * qkv_size + q_size + kh * d.head_dim;
+        std::memcpy(w.k_cache + base + kh * d.head_stride, k, d.head_dim * sizeof(uint16_t));
+        std::memcpy(w.v_cache + base + kh * d.head_stride, k + kv_size,
+                    d.head_dim * sizeof(uint16_t));
+      }
+    }
+    const Pool pool{w.k_cache, w.v_cache, d.block_stride, d.slot_stride, d.head_stride,
+                    d.block_size};
+    auto attend_all = [&](auto dim) {
+      decode<uint16_t, decltype(dim)::value>(qkv.data(), qkv_size, attn.data(), pool, tables,
+                                             table_width, context_lens, rows,
+                                             static_cast<int>(d.num_heads),
+                                             static_cast<int>(d.num_kv_heads),
+                                             static_cast<int>(d.head_dim), scale, num_threads);
+    };
+    if (d.head_dim == 64)
+      attend_all(std::integral_constant<int, 64>{});
+    else if (d.head_dim == 128)
+      attend_all(std::integral_constant<int, 128>{});
+    else
+      attend_all(std::integral_constant<int, 0>{});
+    amx_linear(attn.data(), q_size, w.o, w.o_bias, proj.data(), hidden, rows, hidden, q_size,
+               num_threads);
+    // x += attention output; h = norm(x)
+    rms_norm<uint16_t>(proj.data(), hidden, x, w.post_norm, h.data(), rows, hidden, d.eps,
+                       num_threads);
+    amx_linear(h.data(), hidden, w.gate_up, w.gate_up_bias, gate_up.data(), 2 * inter, rows,
+               2 * inter, hidden, num_threads);
+    silu_and_mul<uint16_t>(gate_up.data(), act.data(), rows, inter, num_threads);
+    amx_linear(act.data(), inter, w.down, w.down_bias, proj.data(), hidden, rows, hidden, inter,
+               num_threads);
+    for (int64_t i = 0; i < rows * hidden; ++i)  // x += MLP output, rounded as torch's add_
+      x[i] = bf16_bits(to_f32(x[i]) + to_f32(proj[i]));
+  }
+}
+#endif
+
 template <typename T>
 int dispatch(const T* q, T* out, const Pool& pool, const int64_t* tables, int64_t table_width,
              const int64_t* context_lens, int64_t num_seqs, int num_heads, int num_kv_heads,
              int head_dim, float scale, int num_threads) {
   auto run = [&](auto dim) {
-    decode<T, decltype(dim)::value>(q, out, pool, tables, table_width, context_lens, num_seqs,
+    decode<T, decltype(dim)::value>(q, int64_t{num_heads} * head_dim, out, pool, tables,
+                                    table_width, context_lens, num_seqs,
                                     num_heads, num_kv_heads, head_dim, scale, num_threads);
   };
   if (head_dim == 64)
@@ -393,5 +652,56 @@ int kvabi_rope(int dtype, void* x, int64_t token_stride, int64_t tokens, int64_t
   else
     return -1;
   return 0;
+}
+// 0 where the AMX GEMM can run in this process (built with AMX, and the kernel granted the tile
+// state: Linux asks each process to request it), else -2.
+int kvabi_amx_init() {
+#if defined(KVABI_HAVE_AMX) && defined(__linux__)
+  constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0 ? 0 : -2;
+#else
+  return -2;
+#endif
+}
+
+// bf16 only: x [m, k] (row stride ldx), w packed (see amx_linear), bias [n] or null, y [m, n]
+// (row stride ldy); k % 32 == 0, n % 16 == 0. Returns 0, -1 for bad sizes, -2 without AMX.
+int kvabi_amx_linear(const void* x, int64_t ldx, const void* w, const void* bias, void* y,
+                     int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads) {
+  if (k % 32 != 0 || n % 16 != 0 || m < 0) return -1;
+#if defined(KVABI_HAVE_AMX)
+  amx_linear(static_cast<const uint16_t*>(x), ldx, static_cast<const uint16_t*>(w),
+             static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), ldy, m, n, k,
+             num_threads);
+  return 0;
+#else
+  (void)x, (void)ldx, (void)w, (void)bias, (void)y, (void)ldy, (void)num_threads;
+  return -2;
+#endif
+}
+// The decode step's layers (see decode_layers); layers: num_layers DecodeLayer, shape: one
+// DecodeShape. Returns 0, -1 for sizes the AMX GEMM cannot take, -2 without AMX.
+int kvabi_decode_layers(const void* layers, int64_t num_layers, const void* shape, void* x,
+                        int64_t rows, const void* cos, const void* sin,
+                        const int64_t* slot_blocks, const int64_t* slot_offsets,
+                        const int64_t* tables, int64_t table_width, const int64_t* context_lens,
+                        int num_threads) {
+#if defined(KVABI_HAVE_AMX)
+  const DecodeShape& d = *static_cast<const DecodeShape*>(shape);
+  const int64_t q_size = d.num_heads * d.head_dim, kv_size = d.num_kv_heads * d.head_dim;
+  if (d.hidden % 32 || q_size % 32 || d.intermediate % 32 || kv_size % 16 ||
+      d.num_heads % d.num_kv_heads)
+    return -1;
+  decode_layers(static_cast<const DecodeLayer*>(layers), num_layers, d,
+                static_cast<uint16_t*>(x), rows, static_cast<const uint16_t*>(cos),
+                static_cast<const uint16_t*>(sin), slot_blocks, slot_offsets, tables, table_width,
+                context_lens, num_threads);
+  return 0;
+#else
+  (void)layers, (void)num_layers, (void)shape, (void)x, (void)rows, (void)cos, (void)sin;
+  (void)slot_blocks, (void)slot_offsets, (void)tables, (void)table_width, (void)context_lens;
+  (void)num_threads;
+  return -2;
+#endif
 }
 }

@@ -64,6 +64,30 @@ def _build() -> Path:
     return target
 
 
+class DecodeLayer(ctypes.Structure):
+    """Mirrors `DecodeLayer` in cpu_kernels.cpp: one layer's weights and KV pools (pointers)."""
+
+    _fields_ = [
+        (name, ctypes.c_void_p)
+        for name in (
+            "input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias",
+            "gate_up", "gate_up_bias", "down", "down_bias", "k_cache", "v_cache",
+        )
+    ]  # fmt: skip
+
+
+class DecodeShape(ctypes.Structure):
+    """Mirrors `DecodeShape` in cpu_kernels.cpp (pool strides in elements)."""
+
+    _fields_ = [
+        (name, ctypes.c_int64)
+        for name in (
+            "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
+            "block_stride", "slot_stride", "head_stride", "block_size",
+        )
+    ] + [("eps", ctypes.c_float)]  # fmt: skip
+
+
 def _supported(*tensors: torch.Tensor) -> bool:
     dtype = tensors[0].dtype
     return dtype in DTYPE_CODES and all(
@@ -83,12 +107,19 @@ class CpuKernels:
             "kvabi_rms_norm": [c_int, ptr, i64, ptr, ptr, ptr, i64, i64, c_float, c_int],
             "kvabi_silu_and_mul": [c_int, ptr, ptr, i64, i64, c_int],
             "kvabi_rope": [c_int, ptr, i64, i64, i64, i64, ptr, ptr, c_int],
+            "kvabi_amx_linear": [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, c_int],
+            "kvabi_decode_layers": [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr]
+            + [c_int],
         }
         self._fns = {}
         for name, argtypes in signatures.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
             self._fns[name] = fn
+        lib.kvabi_amx_init.restype = ctypes.c_int
+        # The bf16 AMX GEMM: built for this CPU and the tile state granted to this process
+        # ($KVABI_NO_AMX set: not used, oneDNN's GEMM runs instead).
+        self.amx = not os.environ.get("KVABI_NO_AMX") and lib.kvabi_amx_init() == 0
 
     def _call(self, name: str, *args: object) -> None:
         code = self._fns[name](*args, torch.get_num_threads())
@@ -168,6 +199,77 @@ class CpuKernels:
             "kvabi_silu_and_mul", DTYPE_CODES[x.dtype], x.data_ptr(), out.data_ptr(), rows, n
         )
         return out
+
+    @staticmethod
+    def amx_supports(weight: torch.Tensor) -> bool:
+        """Whether `amx_pack` takes this [out, in] weight (bf16, out % 16 == 0, in % 32 == 0)."""
+        out_features, in_features = weight.shape
+        return weight.dtype == torch.bfloat16 and out_features % 16 == 0 and in_features % 32 == 0
+
+    @staticmethod
+    def amx_pack(weight: torch.Tensor) -> torch.Tensor:
+        """weight [n, k] -> the AMX B-tile order `amx_linear` streams: [n/16, k/32, 16, 16, 2],
+        element [j, s, p, c, e] = weight[16 j + c, 32 s + 2 p + e] (a new contiguous copy)."""
+        n, k = weight.shape
+        tiles = weight.detach().reshape(n // 16, 16, k // 32, 16, 2)
+        return tiles.permute(0, 2, 3, 1, 4).contiguous()
+
+    def amx_linear(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x [rows, k] bf16 (unit column stride) @ weight.T (+ bias) -> [rows, n] bf16, with
+        `packed = amx_pack(weight)`. Only where `self.amx`."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        rows, k = x.shape
+        n = packed.shape[0] * 16
+        y = torch.empty(rows, n, dtype=torch.bfloat16)
+        b = 0 if bias is None else bias.data_ptr()
+        args = (x.data_ptr(), x.stride(0), packed.data_ptr(), b, y.data_ptr(), n, rows, n, k)
+        self._call("kvabi_amx_linear", *args)
+        return y
+
+    def decode_layers(
+        self,
+        layers: ctypes.Array,
+        shape: DecodeShape,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slot_blocks: torch.Tensor,
+        slot_offsets: torch.Tensor,
+        tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> None:
+        """Run all `layers` (a `DecodeLayer` array) of a decode step in one call, bf16 with AMX:
+        x [rows, hidden] contiguous is the residual stream, updated in place; each row is one
+        sequence's new token, with cos/sin [rows, head_dim], its slot (slot_blocks,
+        slot_offsets [rows] int64) and its block table and context length (tables [rows, W],
+        context_lens [rows] int64; the context includes the new token)."""
+        cos, sin = cos.contiguous(), sin.contiguous()
+        longs = [t.contiguous() for t in (slot_blocks, slot_offsets, tables, context_lens)]
+        if (
+            x.dtype != torch.bfloat16
+            or not x.is_contiguous()
+            or any(t.dtype != torch.int64 for t in longs)
+        ):
+            raise ValueError("decode_layers: x must be contiguous bf16, the indices int64")
+        blocks, offsets, tables, lens = longs
+        self._call(
+            "kvabi_decode_layers",
+            ctypes.addressof(layers),
+            len(layers),
+            ctypes.addressof(shape),
+            x.data_ptr(),
+            x.shape[0],
+            cos.data_ptr(),
+            sin.data_ptr(),
+            blocks.data_ptr(),
+            offsets.data_ptr(),
+            tables.data_ptr(),
+            tables.shape[1],
+            lens.data_ptr(),
+        )
 
     def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Rotate x [tokens, heads, head_dim] in place (HF rotate_half pairing); heads and

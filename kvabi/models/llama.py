@@ -50,10 +50,11 @@ class SelfAttention(nn.Module):
         self.out: PackedLinear | None = None
         self.kernels: CpuKernels | None = None  # set by LlamaModel.use_kernels
 
-    def fuse(self, pack: bool) -> None:
+    def fuse(self, pack: bool, kernels: CpuKernels | None = None) -> None:
         if self.qkv is None:
-            self.qkv = PackedLinear(*fuse_linears([self.q_proj, self.k_proj, self.v_proj]), pack)
-            self.out = PackedLinear(self.o_proj.weight, self.o_proj.bias, pack)
+            qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+            self.qkv = PackedLinear(*qkv, pack, kernels)
+            self.out = PackedLinear(self.o_proj.weight, self.o_proj.bias, pack, kernels)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn
@@ -89,10 +90,11 @@ class SwiGLU(nn.Module):
         self.down: PackedLinear | None = None
         self.kernels: CpuKernels | None = None  # set by LlamaModel.use_kernels
 
-    def fuse(self, pack: bool) -> None:
+    def fuse(self, pack: bool, kernels: CpuKernels | None = None) -> None:
         if self.gate_up is None:
-            self.gate_up = PackedLinear(*fuse_linears([self.gate_proj, self.up_proj]), pack)
-            self.down = PackedLinear(self.down_proj.weight, self.down_proj.bias, pack)
+            gate_up = fuse_linears([self.gate_proj, self.up_proj])
+            self.gate_up = PackedLinear(*gate_up, pack, kernels)
+            self.down = PackedLinear(self.down_proj.weight, self.down_proj.bias, pack, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None or self.down is None:
@@ -170,17 +172,17 @@ class LlamaModel(nn.Module):
         model.load_state_dict(state_dict, strict=True, assign=True)
         return model.eval()
 
-    def fuse_projections(self, pack: bool = True) -> LlamaModel:
+    def fuse_projections(self, pack: bool = True, kernels: CpuKernels | None = None) -> LlamaModel:
         """Serve q/k/v and gate/up with one GEMM each (weights shared, outputs unchanged up to
         GEMM summation order). Parameters stay HF-named views, so state_dict() still works.
-        `pack`: also keep each GEMM's weight pre-packed for the CPU GEMM library (see
-        `PackedLinear`; one more copy of the weights in memory)."""
+        `pack`: also keep each GEMM's weight pre-packed for a CPU GEMM (see `PackedLinear`;
+        one more copy of the weights in memory); with `kernels`, kvabi's AMX GEMM where it runs."""
         for layer in self.layers:
-            layer.self_attn.fuse(pack)
-            layer.mlp.fuse(pack)
+            layer.self_attn.fuse(pack, kernels)
+            layer.mlp.fuse(pack, kernels)
         if self.logits is None:
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            self.logits = PackedLinear(weight, None, pack)
+            self.logits = PackedLinear(weight, None, pack, kernels)
         return self
 
     def use_kernels(self, kernels: CpuKernels | None) -> LlamaModel:

@@ -1,13 +1,22 @@
-"""`PackedLinear`: `F.linear` with the weight reordered once into the CPU GEMM library's layout.
+"""`PackedLinear`: `F.linear` with the weight reordered once into a CPU GEMM's own layout.
 
 PyTorch's `F.linear` hands the plain row-major weight to oneDNN (bf16) or MKL (fp32) on every
 call, which reorders it into blocked tiles each time; at serving batch sizes (1-64 rows) that
 reorder costs as much as the product. Packing once at load time, as inductor's freezing pass does,
-removes it: on this CPU (AMX) the per-layer GEMMs of SmolLM2 at 16 rows took ~0.6 of the time
-(`kvabi bench throughput` shows the effect end to end). The packed copy is extra memory (one more
-copy of each packed weight); the plain weight stays for `state_dict()` and the reference path.
+removes it. Two packings:
 
-Where the ops are missing (another build of torch) or the dtype is not packed, `F.linear` runs.
+- bf16 with kvabi's C++ kernels on a CPU with AMX (`CpuKernels.amx`): the weight is stored in AMX
+  tile order and the GEMM is kvabi's own (`amx_linear` in cpu_kernels.cpp). At decode sizes it
+  only streams weights, about 2x oneDNN's packed GEMM on SmolLM2's layers at 16 rows (measured
+  over all 30 layers' distinct weights, so from memory, not cache); up to 32 rows its results
+  equal oneDNN's bit for bit. Above `AMX_MAX_ROWS` rows (prefill chunks), where oneDNN's
+  blocking wins, the plain weight goes to `F.linear`.
+
+- otherwise oneDNN's (bf16) or MKL's (fp32) packed weight, through their torch ops.
+
+The packed copy is extra memory (one more copy of each weight); the plain weight stays for
+`state_dict()`, the reference path and large row counts. Where neither packing applies (another
+build of torch, another dtype, odd sizes), `F.linear` runs.
 """
 
 from __future__ import annotations
@@ -15,7 +24,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-PACK_ROWS_HINT = 16  # the row count the packing is tuned for; any row count works
+from kvabi.models.cpu_kernels import CpuKernels
+
+PACK_ROWS_HINT = 16  # the row count oneDNN/MKL packing is tuned for; any row count works
+AMX_MAX_ROWS = 256  # the AMX GEMM matches or beats oneDNN up to here (bench in the docstring)
 
 
 def _can_pack(dtype: torch.dtype) -> bool:
@@ -31,15 +43,31 @@ def _can_pack(dtype: torch.dtype) -> bool:
 
 
 class PackedLinear:
-    """y = x @ weight.T + bias, weight [out, in], x [rows, in] -> [rows, out]."""
+    """y = x @ weight.T + bias, weight [out, in], x [rows, in] -> [rows, out].
+
+    `kernels`: kvabi's CPU kernels; where they have AMX and take the weight, the AMX packing is
+    used instead of oneDNN's."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        pack: bool = True,
+        kernels: CpuKernels | None = None,
     ) -> None:
         self.weight = weight.detach()
-        self.bias = None if bias is None else bias.detach()
-        self.packed: torch.Tensor | None = None
-        if pack and self.weight.device.type == "cpu" and _can_pack(self.weight.dtype):
+        self.bias = None if bias is None else bias.detach().contiguous()
+        self.packed: torch.Tensor | None = None  # oneDNN / MKL layout
+        self.amx: torch.Tensor | None = None  # AMX tile layout, used with self.kernels
+        self.kernels = kernels
+        if not pack or self.weight.device.type != "cpu":
+            return
+        amx = kernels is not None and kernels.amx and kernels.amx_supports(self.weight)
+        if amx and (self.bias is None or self.bias.dtype == torch.bfloat16):
+            self.amx = kernels.amx_pack(self.weight)
+            return
+
+        if _can_pack(self.weight.dtype):
             if self.weight.dtype == torch.bfloat16:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_ROWS_HINT)
             else:
@@ -50,7 +78,12 @@ class PackedLinear:
         return self.weight.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None or x.dim() != 2 or x.dtype != self.weight.dtype or x.requires_grad:
+        plain = x.dim() != 2 or x.dtype != self.weight.dtype or x.requires_grad
+        if self.amx is not None and self.kernels is not None:
+            if plain or x.shape[0] > AMX_MAX_ROWS:
+                return F.linear(x, self.weight, self.bias)
+            return self.kernels.amx_linear(x, self.amx, self.bias)
+        if self.packed is None or plain:
             return F.linear(x, self.weight, self.bias)
         if self.weight.dtype == torch.bfloat16:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

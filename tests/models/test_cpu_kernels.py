@@ -144,3 +144,45 @@ def test_rope_in_place_equals_apply_rope_on_a_strided_qkv_slice(kernels, dtype):
     assert torch.equal(qkv[:, heads * dim :], v_before)
     with pytest.raises(ValueError, match="contiguous"):
         kernels.rope_(torch.randn(4, 3, 8).transpose(0, 1), cos[:3, :8], sin[:3, :8])
+
+
+def _onednn_linear(x, weight, bias):
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("n", "k"), [(48, 64), (96, 32), (960, 576), (576, 1536)])
+def test_amx_linear_matches_onednn(kernels, bias, n, k):
+    # 48 = three column tiles: the odd one out runs alone; rows cross the 16- and 32-row tiles
+    if not kernels.amx:
+        pytest.skip("no AMX on this CPU (the AMX GEMM is not used here)")
+    torch.manual_seed(n + k)
+    weight = (torch.randn(n, k) * 0.05).bfloat16()
+    b = torch.randn(n).bfloat16() if bias else None
+    packed = kernels.amx_pack(weight)
+    for rows in (1, 5, 16, 17, 32, 33, 70):
+        x = torch.randn(rows, k).bfloat16()
+        got = kernels.amx_linear(x, packed, b)
+        assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+        onednn = _onednn_linear(x, weight, b)
+        if rows <= 32:  # decode sizes: the same tile sums in the same order, the same bits
+            assert torch.equal(got, onednn)
+        else:  # oneDNN blocks more rows otherwise: a rare element rounds the other way
+            assert (got != onednn).float().mean().item() < 1e-3
+        want = F.linear(x.float(), weight.float(), None if b is None else b.float())
+
+        torch.testing.assert_close(got.float(), want, atol=1e-2 * want.abs().max().item(), rtol=0)
+
+
+def test_amx_linear_reads_strided_rows_and_refuses_odd_sizes(kernels):
+    if not kernels.amx:
+        pytest.skip("no AMX on this CPU")
+    weight = torch.randn(32, 64).bfloat16()
+    wide = torch.randn(3, 128).bfloat16()
+    x = wide[:, :64]  # row stride 128
+    assert torch.equal(kernels.amx_linear(x, kernels.amx_pack(weight), None),
+                       _onednn_linear(x.contiguous(), weight, None))  # fmt: skip
+    assert not kernels.amx_supports(torch.randn(33, 64).bfloat16())
+    assert not kernels.amx_supports(torch.randn(32, 40).bfloat16())
+    assert not kernels.amx_supports(torch.randn(32, 64))
