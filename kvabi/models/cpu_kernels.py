@@ -1,7 +1,8 @@
 """Build and load the C++ CPU kernels next to this file (`cpu_kernels.cpp`), called via ctypes.
 
 They are compiled on first use with the system C++ compiler for this machine's CPU
-(`-O3 -march=native -fopenmp`, about 2 s) into a cache folder keyed by the source, the flags and
+(`-O3 -march=native -fopenmp`, about 7 s of CPU) into a cache folder keyed by the source, the
+flags and
 the CPU's feature flags (`$KVABI_KERNEL_CACHE`, default `~/.cache/kvabi/kernels`). No compiler, a
 failed build or an unsupported input means the torch path runs instead: `cpu_kernels()`
 returns None and `kernel_status()` says why.
