@@ -2,10 +2,10 @@
 
 They are compiled on first use with the system C++ compiler for this machine's CPU
 (`-O3 -march=native -fopenmp`, about 7 s of CPU) into a cache folder keyed by the source, the
-flags and
-the CPU's feature flags (`$KVABI_KERNEL_CACHE`, default `~/.cache/kvabi/kernels`). No compiler, a
-failed build or an unsupported input means the torch path runs instead: `cpu_kernels()`
-returns None and `kernel_status()` says why.
+flags and the CPU's feature flags (`$KVABI_KERNEL_CACHE`, default `~/.cache/kvabi/kernels`). No
+compiler, a failed build or an unsupported input means the torch path runs instead:
+`cpu_kernels()` returns None and `kernel_status()` says why.
+
 
 OpenMP: torch ships its own `libgomp.so.1` and loads it first; the kernel links against the same
 soname, so the dynamic loader gives it torch's runtime and there is one thread pool, not two.
