@@ -5,8 +5,9 @@ the forward. Each call first writes the new tokens' K/V into their slots, then a
 Three backends compute the same thing: `reference` (one sequence at a time, plain gather + SDPA:
 easy to read), `batched` (all single-token decodes of the step in one padded SDPA call; chunks of
 prefill per sequence) and `native` (as `batched`, but decodes go to a C++ kernel that reads K/V in
-place through the block tables: `kvabi/models/cpu_kernels.py`; where it cannot be built, `batched`
-runs).
+place through the block tables, and bf16 prefill chunks on a CPU with AMX to a C++ tile kernel:
+`kvabi/models/cpu_kernels.py`; where they cannot be built, `batched` runs).
+
 Tests compare them.
 """
 
@@ -103,6 +104,17 @@ class PagedAttention:
         new_v: torch.Tensor | None = None,
     ) -> None:
         rows = slice(s.query_start, s.query_start + s.num_queries)
+        if self.kernels is not None and new_k is not None and self.kernels.amx:
+            # native backend, bf16 with AMX: the C++ kernel, on the new K/V or the gathered
+            # context (same causal rule: the chunk's queries are the context's last positions)
+            if s.context_len == s.num_queries:
+                k, v = new_k[rows], new_v[rows]
+            else:
+                k, v = self.storage.gather(layer_id, s.block_table, s.context_len)
+                k, v = k.contiguous(), v.contiguous()
+            if self.kernels.prefill_supports(q[rows], k, v):
+                out[rows] = self.kernels.prefill_attention(q[rows], k, v)
+                return
         qs = q[rows].transpose(0, 1)  # [H, Tq, D]
         if new_k is not None and s.context_len == s.num_queries > 1:
             # a whole prompt in one chunk: its own K/V are the context, plain causal attention

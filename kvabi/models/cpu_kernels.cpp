@@ -77,6 +77,25 @@ inline float exp_approx(float x) {
   return p * __builtin_bit_cast(float, bits);
 }
 
+#if defined(__AVX512F__)
+// exp_approx on 16 lanes: the same range reduction and polynomial; 2^n by scalef.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 big = _mm512_set1_ps(12582912.0f);
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), big), big);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                   _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
 struct Pool {
   const void* k;
   const void* v;
@@ -175,15 +194,18 @@ void attend_bf16(const uint16_t* q, uint16_t* out, const Pool& pool, const int64
   float inv_sum[GROUP];
   for (int g = 0; g < GROUP; ++g) {
     float* s = scores + g * stride;
-    const float top = _mm512_reduce_max_ps(peak[g]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < context_len; ++t) {
-      s[t] = exp_approx(s[t] - top);
-      sum += s[t];
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(peak[g]));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < context_len; t += 16) {  // the row is padded to 16
+      const int64_t n = std::min<int64_t>(16, context_len - t);
+      const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), top)));
+      _mm512_storeu_ps(s + t, e);
+      sum = _mm512_add_ps(sum, e);
     }
-    inv_sum[g] = 1.0f / sum;
+    inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum);
   }
+
   __m512 acc[GROUP][kAcc];
   for (int g = 0; g < GROUP; ++g)
     for (int c = 0; c < kAcc; ++c) acc[g][c] = _mm512_setzero_ps();
@@ -350,7 +372,9 @@ void silu_and_mul_row(const T* __restrict gate, const T* __restrict up, T* __res
 
 template <typename T>
 void silu_and_mul(const T* x, T* out, int64_t rows, int64_t n, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * n >= kParallelMin)
+  // an exact division per element: worth a second thread from a quarter of kParallelMin
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * n >= kParallelMin / 4)
+
   for (int64_t r = 0; r < rows; ++r)
     silu_and_mul_row(x + r * 2 * n, x + r * 2 * n + n, out + r * n, static_cast<int>(n));
 }
@@ -429,20 +453,27 @@ inline void prefetch_tile(const uint16_t* tile) {
     _mm_prefetch(reinterpret_cast<const char*>(tile) + line * 64, _MM_HINT_T0);
 }
 
+// Each thread takes whole pairs of column tiles and runs every 32-row chunk of x through them
+// while their weights stay in its cache: the weights are read from memory once per call, x
+// (small) from cache once per pair.
 void amx_linear(const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_t* bias,
                 uint16_t* y, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads) {
   const int64_t col_tiles = n / 16, k_steps = k / 32, pairs = (col_tiles + 1) / 2;
-  for (int64_t r0 = 0; r0 < m; r0 += 32) {
-    const int rows = static_cast<int>(std::min<int64_t>(m - r0, 32));
-    const int low = std::min(rows, 16);
-    const uint16_t* xa = x + r0 * ldx;
-    uint16_t* ya = y + r0 * ldy;
 #pragma omp parallel num_threads(num_threads) if (pairs > 1)
-    {
-      amx_configure(rows);
-      alignas(64) float c[16 * 16];
+  {
+    alignas(64) float c[16 * 16];
+    int configured = 0;
 #pragma omp for schedule(static)
-      for (int64_t p = 0; p < pairs; ++p) {
+    for (int64_t p = 0; p < pairs; ++p) {
+      for (int64_t r0 = 0; r0 < m; r0 += 32) {
+        const int rows = static_cast<int>(std::min<int64_t>(m - r0, 32));
+        const int low = std::min(rows, 16);
+        if (rows != configured) {
+          amx_configure(rows);
+          configured = rows;
+        }
+        const uint16_t* xa = x + r0 * ldx;
+        uint16_t* ya = y + r0 * ldy;
         const int64_t j = 2 * p;
         const bool two = j + 1 < col_tiles;
         const uint16_t* b0 = w + j * k_steps * 512;
@@ -484,8 +515,164 @@ void amx_linear(const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_
           }
         }
       }
-      _tile_release();
     }
+    if (configured != 0) _tile_release();
+  }
+}
+
+
+// ---- Prefill attention on AMX tiles (bf16) ----
+// One sequence's chunk of queries against its keys: q [tq, num_heads, D] (row stride
+// q_stride), k and v [tk, num_kv_heads, D] (row strides k_stride, v_stride), heads and D
+// contiguous in a row; query i sits at position tk - tq + i and sees keys 0 .. tk - tq + i.
+// out [tq, num_heads, D] contiguous. As torch's flash attention does for bf16: S = Q K^T with
+// bf16 products summed in float32 (on tiles), scaled and soft-maxed in float32, P rounded to
+// bf16 for O = P V (float32 sums on tiles), O divided by the row sum and rounded once. (The one
+// difference: P is taken against the row's final maximum, not a running one.)
+// K and V are first repacked per KV head into the tiles' pair-interleaved ("VNNI") order.
+inline void amx_configure_square() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+void amx_prefill(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride,
+                 const uint16_t* v, int64_t v_stride, uint16_t* out, int64_t tq, int64_t tk,
+                 int num_heads, int num_kv_heads, int head_dim, float scale, int num_threads) {
+  const int dim = head_dim, group = num_heads / num_kv_heads;
+  const int64_t key_blocks = (tk + 15) / 16, key_pairs = (tk + 31) / 32;
+  const int k_steps = dim / 32, dim_tiles = dim / 16;
+  const int64_t s_ld = key_blocks * 16, p_ld = key_pairs * 32;
+  // kt: per KV head, per 16 keys, per 32 dims: [16 dim pairs][16 keys][2]
+  // vt: per KV head, per 32 keys, per 16 dims: [16 key pairs][16 dims][2]
+  std::vector<uint16_t> kt(static_cast<size_t>(num_kv_heads) * key_blocks * k_steps * 512);
+  std::vector<uint16_t> vt(static_cast<size_t>(num_kv_heads) * key_pairs * dim_tiles * 512);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (int64_t item = 0; item < num_kv_heads * key_pairs; ++item) {
+    const int64_t h = item / key_pairs, kp = item % key_pairs;
+    // K: each 16-key x 32-dim tile transposed as 16x16 pairs of dims (one gather per row)
+    for (int64_t b = 2 * kp; b < std::min(2 * kp + 2, key_blocks); ++b) {
+      const int64_t n0 = b * 16, valid = std::min<int64_t>(16, tk - n0);
+      const __mmask16 rows = static_cast<__mmask16>((1u << valid) - 1);
+      const __m512i index = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
+                                                                 6, 5, 4, 3, 2, 1, 0),
+                                               _mm512_set1_epi32(static_cast<int>(k_stride / 2)));
+      for (int st = 0; st < k_steps; ++st) {
+        const int* base = reinterpret_cast<const int*>(k + n0 * k_stride + h * dim + st * 32);
+        uint16_t* dst = kt.data() + ((h * key_blocks + b) * k_steps + st) * 512;
+        for (int pair = 0; pair < 16; ++pair)
+          _mm512_storeu_si512(dst + pair * 32, _mm512_mask_i32gather_epi32(
+                                                   _mm512_setzero_si512(), rows, index,
+                                                   base + pair, 4));
+      }
+    }
+    // V: the rows of keys 2i and 2i+1 interleaved, 16 dims at a time
+    for (int64_t i = 0; i < 16; ++i) {
+      const int64_t n = kp * 32 + 2 * i;
+      for (int t = 0; t < dim_tiles; ++t) {
+        auto widen = [&](int64_t key) {
+          if (key >= tk) return _mm512_setzero_si512();
+          const uint16_t* row = v + key * v_stride + h * dim + t * 16;
+          return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
+        };
+        const __m512i pairs = _mm512_or_si512(widen(n), _mm512_slli_epi32(widen(n + 1), 16));
+        _mm512_storeu_si512(vt.data() + ((h * key_pairs + kp) * dim_tiles + t) * 512 + i * 32, pairs);
+      }
+    }
+  }
+  const int64_t q_blocks = (tq + 15) / 16, offset = tk - tq;
+#pragma omp parallel num_threads(num_threads)
+  {
+    amx_configure_square();
+    std::vector<float> s(static_cast<size_t>(16) * s_ld);
+    std::vector<uint16_t> p(static_cast<size_t>(16) * p_ld);
+    std::vector<uint16_t> qbuf(static_cast<size_t>(16) * dim);
+    alignas(64) float c[16 * 16];
+    float inv[16];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < num_heads * q_blocks; ++item) {
+      const int64_t head = item / q_blocks, q0 = (item % q_blocks) * 16, kvh = head / group;
+      const int rows = static_cast<int>(std::min<int64_t>(16, tq - q0));
+      for (int r = 0; r < 16; ++r)
+        for (int d = 0; d < dim; ++d)
+          qbuf[r * dim + d] = r < rows ? q[(q0 + r) * q_stride + head * dim + d] : 0;
+      const int64_t keys = offset + q0 + rows;  // keys the block's last row sees
+      const int64_t blocks = (keys + 15) / 16, pairs = (keys + 31) / 32;
+      for (int64_t b = 0; b < blocks; ++b) {
+        _tile_zero(6);
+        for (int st = 0; st < k_steps; ++st) {
+          _tile_loadd(4, qbuf.data() + st * 32, dim * 2);
+          _tile_loadd(5, kt.data() + ((kvh * key_blocks + b) * k_steps + st) * 512, 64);
+          _tile_dpbf16ps(6, 4, 5);
+        }
+        _tile_stored(6, s.data() + b * 16, s_ld * 4);
+      }
+      const __m512 vscale = _mm512_set1_ps(scale);
+      for (int r = 0; r < 16; ++r) {
+        uint16_t* pr = p.data() + r * p_ld;
+        const int64_t seen = r < rows ? offset + q0 + r + 1 : 0;
+        const float* sr = s.data() + r * s_ld;
+        auto lanes = [&](int64_t j) {  // the keys j .. j + 15 this row sees
+          const int64_t n = std::clamp<int64_t>(seen - j, 0, 16);
+          return static_cast<__mmask16>((1u << n) - 1);
+        };
+        __m512 peak = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < seen; j += 16) {
+          const __mmask16 m = lanes(j);
+          peak = _mm512_mask_max_ps(peak, m, peak, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sr + j), vscale));
+        }
+        const __m512 top = _mm512_set1_ps(seen > 0 ? _mm512_reduce_max_ps(peak) : 0.0f);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < pairs * 32; j += 16) {
+          const __mmask16 m = lanes(j);
+          const __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, sr + j), vscale), top);
+          const __m512 e = _mm512_maskz_mov_ps(m, exp16(x));
+          sum = _mm512_add_ps(sum, e);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        inv[r] = seen > 0 ? 1.0f / _mm512_reduce_add_ps(sum) : 0.0f;
+      }
+      for (int t0 = 0; t0 < dim_tiles; t0 += 4) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        const uint16_t* vbase = vt.data() + (kvh * key_pairs) * dim_tiles * 512 + t0 * 512;
+        for (int64_t b = 0; b < pairs; ++b) {
+          const uint16_t* vb = vbase + b * dim_tiles * 512;
+          _tile_loadd(4, p.data() + b * 32, p_ld * 2);
+          _tile_loadd(5, vb, 64);
+          _tile_dpbf16ps(0, 4, 5);
+          if (t0 + 1 < dim_tiles) {
+            _tile_loadd(5, vb + 512, 64);
+            _tile_dpbf16ps(1, 4, 5);
+          }
+          if (t0 + 2 < dim_tiles) {
+            _tile_loadd(5, vb + 1024, 64);
+            _tile_dpbf16ps(2, 4, 5);
+          }
+          if (t0 + 3 < dim_tiles) {
+            _tile_loadd(5, vb + 1536, 64);
+            _tile_dpbf16ps(3, 4, 5);
+          }
+        }
+        for (int t = 0; t < 4 && t0 + t < dim_tiles; ++t) {
+          if (t == 0) _tile_stored(0, c, 64);
+          if (t == 1) _tile_stored(1, c, 64);
+          if (t == 2) _tile_stored(2, c, 64);
+          if (t == 3) _tile_stored(3, c, 64);
+          for (int r = 0; r < rows; ++r) {
+            uint16_t* o = out + ((q0 + r) * num_heads + head) * dim + (t0 + t) * 16;
+            const __m512 row = _mm512_mul_ps(_mm512_loadu_ps(c + r * 16), _mm512_set1_ps(inv[r]));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(row));
+          }
+        }
+      }
+    }
+    _tile_release();
   }
 }
 
@@ -701,6 +888,25 @@ int kvabi_decode_layers(const void* layers, int64_t num_layers, const void* shap
   (void)layers, (void)num_layers, (void)shape, (void)x, (void)rows, (void)cos, (void)sin;
   (void)slot_blocks, (void)slot_offsets, (void)tables, (void)table_width, (void)context_lens;
   (void)num_threads;
+  return -2;
+#endif
+}
+// bf16 causal attention of one sequence's chunk (see amx_prefill): head_dim % 32 == 0,
+// num_heads % num_kv_heads == 0, 0 < tq <= tk. Returns 0, -1 for such sizes, -2 without AMX.
+int kvabi_prefill_attention(const void* q, int64_t q_stride, const void* k, int64_t k_stride,
+                            const void* v, int64_t v_stride, void* out, int64_t tq, int64_t tk,
+                            int num_heads, int num_kv_heads, int head_dim, float scale,
+                            int num_threads) {
+  if (head_dim % 32 || num_kv_heads < 1 || num_heads % num_kv_heads || tq < 1 || tq > tk)
+    return -1;
+#if defined(KVABI_HAVE_AMX)
+  amx_prefill(static_cast<const uint16_t*>(q), q_stride, static_cast<const uint16_t*>(k),
+              k_stride, static_cast<const uint16_t*>(v), v_stride, static_cast<uint16_t*>(out),
+              tq, tk, num_heads, num_kv_heads, head_dim, scale, num_threads);
+  return 0;
+#else
+  (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)out;
+  (void)scale, (void)num_threads;
   return -2;
 #endif
 }

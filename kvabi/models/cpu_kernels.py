@@ -111,6 +111,8 @@ class CpuKernels:
             "kvabi_amx_linear": [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, c_int],
             "kvabi_decode_layers": [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr]
             + [c_int],
+            "kvabi_prefill_attention": [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, c_int, c_int]
+            + [c_int, c_float, c_int],
         }
         self._fns = {}
         for name, argtypes in signatures.items():
@@ -271,6 +273,43 @@ class CpuKernels:
             tables.shape[1],
             lens.data_ptr(),
         )
+
+    def prefill_supports(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether `prefill_attention` takes these (bf16 with AMX, head size % 32 == 0, each
+        row's heads and dims contiguous, at least as many keys as queries)."""
+        return (
+            self.amx
+            and all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in (q, k, v))
+            and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (q, k, v))
+            and k.stride(0) % 2 == 0  # K rows are gathered as pairs of bf16
+            and q.shape[2] % 32 == 0
+            and q.shape[1] % k.shape[1] == 0
+            and 0 < q.shape[0] <= k.shape[0] == v.shape[0]
+        )
+
+    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of a chunk of tq queries q [tq, H, D] over tk >= tq keys k, v
+        [tk, H_kv, D], the queries being the last tq positions; scale 1/sqrt(D) -> [tq, H, D].
+        On AMX tiles, with torch's bf16 flash-attention roundings (see cpu_kernels.cpp)."""
+        tq, heads, dim = q.shape
+        out = torch.empty(tq, heads, dim, dtype=q.dtype)
+        self._call(
+            "kvabi_prefill_attention",
+            q.data_ptr(),
+            q.stride(0),
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            out.data_ptr(),
+            tq,
+            k.shape[0],
+            heads,
+            k.shape[1],
+            dim,
+            dim**-0.5,
+        )
+        return out
 
     def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Rotate x [tokens, heads, head_dim] in place (HF rotate_half pairing); heads and

@@ -60,12 +60,23 @@ def test_fused_decode_on_the_bundled_model():
     loaded = load_model(None, "bf16", progress=False)
     fused, plain = _pair(loaded, max_num_batched_tokens=512, enable_prefix_caching=False)
     calls = _count_calls(fused)
+    kernels, prefills = fused.runner.attention.kernels, [0]
+    inner = kernels.prefill_attention
+
+    def counted(*args):
+        prefills[0] += 1
+        return inner(*args)
+
+    kernels.prefill_attention = counted  # the prompts' attention: the AMX prefill kernel
     text = "the quick brown fox jumps over a lazy dog while seven ravens watch"
     words = text.split(" ")
     prompts = [" ".join(words[: 2 + i % 11]) * (1 + i // 5) for i in range(16)]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1)
-    _same(run_all(fused, prompts, params), run_all(plain, prompts, params))
-    assert calls[0] >= 15
+    try:
+        _same(run_all(fused, prompts, params), run_all(plain, prompts, params))
+    finally:
+        del kernels.prefill_attention
+    assert calls[0] >= 15 and prefills[0] >= 16 * 30
 
 
 def test_build_declines_what_it_cannot_run():

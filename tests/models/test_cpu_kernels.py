@@ -186,3 +186,52 @@ def test_amx_linear_reads_strided_rows_and_refuses_odd_sizes(kernels):
     assert not kernels.amx_supports(torch.randn(33, 64).bfloat16())
     assert not kernels.amx_supports(torch.randn(32, 40).bfloat16())
     assert not kernels.amx_supports(torch.randn(32, 64))
+
+
+def _causal_reference(q, k, v):
+    """float32 SDPA of the chunk's queries (the last tq positions) over all tk keys."""
+    tq, tk = q.shape[0], k.shape[0]
+    mask = torch.arange(tk)[None, :] <= torch.arange(tq)[:, None] + (tk - tq)
+    out = F.scaled_dot_product_attention(
+        *(t.transpose(0, 1)[None].float() for t in (q, k, v)), attn_mask=mask, enable_gqa=True
+    )
+    return out[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize(
+    ("tq", "tk", "heads", "kv_heads", "dim"),
+    [(150, 150, 9, 3, 64), (1, 1, 9, 3, 64), (17, 40, 9, 3, 64), (33, 33, 4, 4, 128),
+     (100, 300, 8, 2, 64), (16, 16, 2, 1, 32), (31, 47, 6, 3, 64)],
+)  # fmt: skip
+def test_prefill_attention_matches_sdpa(kernels, tq, tk, heads, kv_heads, dim):
+    if not kernels.amx:
+        pytest.skip("no AMX on this CPU")
+    torch.manual_seed(tq * 1000 + tk)
+    # q, k, v as the model hands them over: views into one fused qkv row per token
+    width = (heads + 2 * kv_heads) * dim
+    qkv = torch.randn(tk, width).bfloat16()
+    q = qkv[tk - tq :, : heads * dim].reshape(tq, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].reshape(tk, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].reshape(tk, kv_heads, dim)
+    assert kernels.prefill_supports(q, k, v)
+    got = kernels.prefill_attention(q, k, v)
+    assert got.shape == (tq, heads, dim) and got.dtype == torch.bfloat16
+    want = _causal_reference(q, k, v)
+    # torch's own bf16 flash attention on the same inputs sets the scale of the error
+    mask = torch.arange(tk)[None, :] <= torch.arange(tq)[:, None] + (tk - tq)
+    bf16 = F.scaled_dot_product_attention(
+        *(t.transpose(0, 1)[None] for t in (q, k, v)), attn_mask=mask, enable_gqa=True
+    )[0].transpose(0, 1)
+    torch_err = (bf16.float() - want).abs().max().item()
+    assert (got.float() - want).abs().max().item() <= 1.5 * torch_err + 1e-3
+
+
+def test_prefill_attention_declines_what_it_cannot_take(kernels):
+    if not kernels.amx:
+        pytest.skip("no AMX on this CPU")
+    q, k = torch.randn(4, 2, 64).bfloat16(), torch.randn(8, 1, 64).bfloat16()
+    assert kernels.prefill_supports(q, k, k)
+    assert not kernels.prefill_supports(q.float(), k.float(), k.float())
+    assert not kernels.prefill_supports(torch.randn(4, 2, 48).bfloat16(), k[..., :48], k[..., :48])
+    assert not kernels.prefill_supports(torch.randn(9, 2, 64).bfloat16(), k, k)  # tq > tk
+    assert not kernels.prefill_supports(q.transpose(0, 1).contiguous().transpose(0, 1), k, k)
