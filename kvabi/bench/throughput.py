@@ -163,7 +163,19 @@ def _figures(results: dict, work: dict, dtypes: list[str]) -> dict:
             figures[f"{d}_decode_ratio"] = ours["batch1_decode_tok_s"] / hf["batch1_decode_tok_s"]
             figures[f"{d}_concurrent_ratio"] = ours["concurrent_tok_s"] / hf["concurrent_tok_s"]
             figures[f"{d}_greedy_tokens_match_hf"] = hf["batch1_tokens"] == ours["batch1_tokens"]
+            # in bf16 two correct engines part at a near-tie: how far they agree first
+            figures[f"{d}_greedy_tokens_agree_with_hf"] = _agreeing(
+                hf["batch1_tokens"], ours["batch1_tokens"]
+            )
     return figures
+
+
+def _agreeing(a: list[int], b: list[int]) -> str:
+    """'n/total': how many leading tokens two greedy runs share."""
+    same = next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+    return f"{same}/{max(len(a), len(b))}"
 
 
 def _print(figures: dict) -> None:
@@ -189,7 +201,8 @@ def _print(figures: dict) -> None:
         ["engine-dtype", "TTFT s", "decode tok/s", "concurrent tok/s", "wall s", "peak RSS MB"],
         rows,
     )
-    ratios = [[k, v] for k, v in figures.items() if k.endswith("_ratio") or k.endswith("_hf")]
+    ratios = [[k, v] for k, v in figures.items() if k.endswith(("_ratio", "_hf"))]
+
     print_table(
         "kvabi vs HF generate (same run; >1 means kvabi is faster)", ["figure", "value"], ratios
     )

@@ -194,16 +194,14 @@ void attend_bf16(const uint16_t* q, uint16_t* out, const Pool& pool, const int64
   float inv_sum[GROUP];
   for (int g = 0; g < GROUP; ++g) {
     float* s = scores + g * stride;
-    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(peak[g]));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < context_len; t += 16) {  // the row is padded to 16
-      const int64_t n = std::min<int64_t>(16, context_len - t);
-      const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
-      const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), top)));
-      _mm512_storeu_ps(s + t, e);
-      sum = _mm512_add_ps(sum, e);
+    const float top = _mm512_reduce_max_ps(peak[g]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < context_len; ++t) {
+      s[t] = exp_approx(s[t] - top);
+      sum += s[t];
     }
-    inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum);
+    inv_sum[g] = 1.0f / sum;
   }
 
   __m512 acc[GROUP][kAcc];
