@@ -202,7 +202,6 @@ def _print(figures: dict) -> None:
         rows,
     )
     ratios = [[k, v] for k, v in figures.items() if k.endswith(("_ratio", "_hf"))]
-
     print_table(
         "kvabi vs HF generate (same run; >1 means kvabi is faster)", ["figure", "value"], ratios
     )

@@ -50,7 +50,8 @@ class FusedDecode:
                 *map(_ptr, norms), *(_ptr(t) for pair in gemms for t in pair),
                 storage.k[i].data_ptr(), storage.v[i].data_ptr(),
             )  # fmt: skip
-        self._pool_ptr = k0.data_ptr()
+        # KVStorage allocates its pools once and only writes into them, so these pointers stay
+        # valid for the engine's life; the weights live in the model's PackedLinears.
 
     def _contiguous(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach().contiguous()
@@ -74,6 +75,11 @@ class FusedDecode:
         ]  # fmt: skip
         if any(g is None or g.amx is None for g in gemms):
             return None
+        cfg = model.config  # the sizes kvabi_decode_layers takes (it checks them again)
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        sizes = (cfg.hidden_size, q_size, cfg.intermediate_size)
+        if any(n % 32 for n in sizes) or kv_size % 16 or cfg.num_heads % cfg.num_kv_heads:
+            return None
         strides = {t.stride() for t in storage.k + storage.v}
         pools_ok = all(t.dtype == torch.bfloat16 for t in storage.k + storage.v)
         if len(strides) != 1 or not pools_ok or storage.k[0].stride(-1) != 1:
@@ -85,8 +91,6 @@ class FusedDecode:
     ) -> torch.Tensor:
         """As `model.hidden_states` for a step whose every row is one sequence's decode token
         (`ctx.prefills` empty; rows in `ctx.seqs` order). Writes the step's K/V to the pool."""
-        if self.storage.k[0].data_ptr() != self._pool_ptr:
-            raise RuntimeError("fused decode: the KV pool moved since it was bound")
         x = self.model.embed_tokens(input_ids).contiguous()
         cos, sin = self.model.rotary(positions, x.dtype)
         self.kernels.decode_layers(

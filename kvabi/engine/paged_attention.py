@@ -104,7 +104,14 @@ class PagedAttention:
         new_v: torch.Tensor | None = None,
     ) -> None:
         rows = slice(s.query_start, s.query_start + s.num_queries)
-        if self.kernels is not None and new_k is not None and self.kernels.amx:
+        kernels = self.kernels
+        if (
+            kernels is not None
+            and new_k is not None
+            and kernels.amx
+            and q.dtype == self.storage.k[layer_id].dtype == torch.bfloat16
+            and q.shape[-1] % 32 == 0
+        ):
             # native backend, bf16 with AMX: the C++ kernel, on the new K/V or the gathered
             # context (same causal rule: the chunk's queries are the context's last positions)
             if s.context_len == s.num_queries:
@@ -112,8 +119,8 @@ class PagedAttention:
             else:
                 k, v = self.storage.gather(layer_id, s.block_table, s.context_len)
                 k, v = k.contiguous(), v.contiguous()
-            if self.kernels.prefill_supports(q[rows], k, v):
-                out[rows] = self.kernels.prefill_attention(q[rows], k, v)
+            if kernels.prefill_supports(q[rows], k, v):
+                out[rows] = kernels.prefill_attention(q[rows], k, v)
                 return
         qs = q[rows].transpose(0, 1)  # [H, Tq, D]
         if new_k is not None and s.context_len == s.num_queries > 1:

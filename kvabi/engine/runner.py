@@ -34,7 +34,6 @@ class ModelRunner:
             return self.model.compute_logits(hidden[sample_rows]).float()
         with self.attention.step(ctx, on_layer):
             hidden = self.model.hidden_states(ids, positions, self.attention)
-
         return self.model.compute_logits(hidden[sample_rows]).float()
 
     def _prepare(

@@ -144,7 +144,9 @@ inline __m512 bf16x16_to_f32(const uint16_t* p) {
 }
 
 // One (sequence, KV head) of a bf16 cache, with the head size and the number of query heads per
-// KV head fixed at compile time so that every accumulator lives in a register. Same arithmetic
+// KV head fixed at compile time so that the accumulators can live in registers (up to 32: head
+// size 128 with more than 3 query heads per KV head spills some). Same arithmetic
+
 // as the generic `attend` (bf16 products are exact in float32, float32 sums, one rounding of
 // the output); only the summation order differs.
 //  - scores: 16 tokens at a time, 32 products per AVX512-BF16 instruction, the 16 dot products
@@ -543,7 +545,8 @@ void amx_prefill(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t
   const int dim = head_dim, group = num_heads / num_kv_heads;
   const int64_t key_blocks = (tk + 15) / 16, key_pairs = (tk + 31) / 32;
   const int k_steps = dim / 32, dim_tiles = dim / 16;
-  const int64_t s_ld = key_blocks * 16, p_ld = key_pairs * 32;
+  // one row of scores per query, as long as a P row: the softmax's masked loads stay inside
+  const int64_t s_ld = key_pairs * 32, p_ld = key_pairs * 32;
   // kt: per KV head, per 16 keys, per 32 dims: [16 dim pairs][16 keys][2]
   // vt: per KV head, per 32 keys, per 16 dims: [16 key pairs][16 dims][2]
   std::vector<uint16_t> kt(static_cast<size_t>(num_kv_heads) * key_blocks * k_steps * 512);
@@ -874,8 +877,8 @@ int kvabi_decode_layers(const void* layers, int64_t num_layers, const void* shap
 #if defined(KVABI_HAVE_AMX)
   const DecodeShape& d = *static_cast<const DecodeShape*>(shape);
   const int64_t q_size = d.num_heads * d.head_dim, kv_size = d.num_kv_heads * d.head_dim;
-  if (d.hidden % 32 || q_size % 32 || d.intermediate % 32 || kv_size % 16 ||
-      d.num_heads % d.num_kv_heads)
+  if (d.num_kv_heads < 1 || d.hidden % 32 || q_size % 32 || d.intermediate % 32 ||
+      kv_size % 16 || d.num_heads % d.num_kv_heads)
     return -1;
   decode_layers(static_cast<const DecodeLayer*>(layers), num_layers, d,
                 static_cast<uint16_t*>(x), rows, static_cast<const uint16_t*>(cos),
@@ -895,7 +898,8 @@ int kvabi_prefill_attention(const void* q, int64_t q_stride, const void* k, int6
                             const void* v, int64_t v_stride, void* out, int64_t tq, int64_t tk,
                             int num_heads, int num_kv_heads, int head_dim, float scale,
                             int num_threads) {
-  if (head_dim % 32 || num_kv_heads < 1 || num_heads % num_kv_heads || tq < 1 || tq > tk)
+  if (head_dim % 32 || num_kv_heads < 1 || num_heads % num_kv_heads || tq < 1 || tq > tk ||
+      k_stride % 2)  // K rows are gathered as pairs of bf16
     return -1;
 #if defined(KVABI_HAVE_AMX)
   amx_prefill(static_cast<const uint16_t*>(q), q_stride, static_cast<const uint16_t*>(k),

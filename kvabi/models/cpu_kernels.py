@@ -6,7 +6,6 @@ flags and the CPU's feature flags (`$KVABI_KERNEL_CACHE`, default `~/.cache/kvab
 compiler, a failed build or an unsupported input means the torch path runs instead:
 `cpu_kernels()` returns None and `kernel_status()` says why.
 
-
 OpenMP: torch ships its own `libgomp.so.1` and loads it first; the kernel links against the same
 soname, so the dynamic loader gives it torch's runtime and there is one thread pool, not two.
 """
@@ -226,6 +225,8 @@ class CpuKernels:
             x = x.contiguous()
         rows, k = x.shape
         n = packed.shape[0] * 16
+        if k != packed.shape[1] * 32 or (bias is not None and bias.shape != (n,)):
+            raise ValueError(f"amx_linear: x [{rows}, {k}] or bias does not fit W [{n}, ...]")
         y = torch.empty(rows, n, dtype=torch.bfloat16)
         b = 0 if bias is None else bias.data_ptr()
         args = (x.data_ptr(), x.stride(0), packed.data_ptr(), b, y.data_ptr(), n, rows, n, k)
@@ -283,6 +284,7 @@ class CpuKernels:
             and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (q, k, v))
             and k.stride(0) % 2 == 0  # K rows are gathered as pairs of bf16
             and q.shape[2] % 32 == 0
+            and k.shape[2] == v.shape[2] == q.shape[2]
             and q.shape[1] % k.shape[1] == 0
             and 0 < q.shape[0] <= k.shape[0] == v.shape[0]
         )

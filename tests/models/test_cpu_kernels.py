@@ -183,7 +183,10 @@ def test_amx_linear_reads_strided_rows_and_refuses_odd_sizes(kernels):
     x = wide[:, :64]  # row stride 128
     assert torch.equal(kernels.amx_linear(x, kernels.amx_pack(weight), None),
                        _onednn_linear(x.contiguous(), weight, None))  # fmt: skip
+    with pytest.raises(ValueError, match="does not fit"):  # x narrower than the weight
+        kernels.amx_linear(torch.randn(3, 32).bfloat16(), kernels.amx_pack(weight), None)
     assert not kernels.amx_supports(torch.randn(33, 64).bfloat16())
+
     assert not kernels.amx_supports(torch.randn(32, 40).bfloat16())
     assert not kernels.amx_supports(torch.randn(32, 64))
 
