@@ -96,6 +96,17 @@ inline __m512 exp16(__m512 x) {
 }
 #endif
 
+// s[t] = exp(s[t] - top) for t < n; returns their sum (the softmax's denominator).
+inline float exp_and_sum(float* s, int64_t n, float top) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = exp_approx(s[t] - top);
+    sum += s[t];
+  }
+  return sum;
+}
+
 struct Pool {
   const void* k;
   const void* v;
@@ -196,14 +207,7 @@ void attend_bf16(const uint16_t* q, uint16_t* out, const Pool& pool, const int64
   float inv_sum[GROUP];
   for (int g = 0; g < GROUP; ++g) {
     float* s = scores + g * stride;
-    const float top = _mm512_reduce_max_ps(peak[g]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < context_len; ++t) {
-      s[t] = exp_approx(s[t] - top);
-      sum += s[t];
-    }
-    inv_sum[g] = 1.0f / sum;
+    inv_sum[g] = 1.0f / exp_and_sum(s, context_len, _mm512_reduce_max_ps(peak[g]));
   }
 
   __m512 acc[GROUP][kAcc];
@@ -278,13 +282,7 @@ void attend(const T* q, T* out, const Pool& pool, const int64_t* table, int64_t 
     float peak = -INFINITY;
 #pragma omp simd reduction(max : peak)
     for (int64_t t = 0; t < context_len; ++t) peak = std::max(peak, s[t]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < context_len; ++t) {
-      s[t] = exp_approx(s[t] - peak);
-      sum += s[t];
-    }
-    inv_sum[g] = 1.0f / sum;
+    inv_sum[g] = 1.0f / exp_and_sum(s, context_len, peak);
   }
   for_each_token(static_cast<const T*>(pool.v), pool, table, context_len, offset,
                  [&](int64_t t, const T* v) {
