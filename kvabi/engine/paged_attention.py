@@ -7,7 +7,6 @@ easy to read), `batched` (all single-token decodes of the step in one padded SDP
 prefill per sequence) and `native` (as `batched`, but decodes go to a C++ kernel that reads K/V in
 place through the block tables, and bf16 prefill chunks on a CPU with AMX to a C++ tile kernel:
 `kvabi/models/cpu_kernels.py`; where they cannot be built, `batched` runs).
-
 Tests compare them.
 """
 
@@ -105,6 +104,7 @@ class PagedAttention:
     ) -> None:
         rows = slice(s.query_start, s.query_start + s.num_queries)
         kernels = self.kernels
+        # (AMX, dtype and head size first, so an unsupported chunk is not gathered twice)
         if (
             kernels is not None
             and new_k is not None

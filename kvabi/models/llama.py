@@ -176,7 +176,10 @@ class LlamaModel(nn.Module):
         """Serve q/k/v and gate/up with one GEMM each (weights shared, outputs unchanged up to
         GEMM summation order). Parameters stay HF-named views, so state_dict() still works.
         `pack`: also keep each GEMM's weight pre-packed for a CPU GEMM (see `PackedLinear`;
-        one more copy of the weights in memory); with `kernels`, kvabi's AMX GEMM where it runs."""
+        one more copy of the weights in memory); with `kernels`, kvabi's AMX GEMM where it runs.
+        It fuses once per model: engines sharing a loaded model get the first call's packing
+        (an engine without kernels first means oneDNN packing, and no fused decode, for all)."""
+
         for layer in self.layers:
             layer.self_attn.fuse(pack, kernels)
             layer.mlp.fuse(pack, kernels)
