@@ -13,6 +13,7 @@ put first in the pool's eviction order). `cache_stats()` reports it all.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ from kvabi.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from kvabi.engine.sequence import Sequence
 from kvabi.models.registry import LoadedModel
 
+log = logging.getLogger("kvabi.engine")
 KV_LAYOUTS = {"nhd": "vllm-flash-attn", "hnd": "vllm-flash-attn-hnd"}
 PromptLayerHook = Callable[[int, tuple[Sequence, ...]], None]  # (layer_id, prompts completed)
 
@@ -113,6 +115,7 @@ class LLMEngine:
         fused = FusedDecode.build(model, self.storage, kernels) if config.fused_decode else None
         self.runner = ModelRunner(model, attention, fused)
         self.requests: dict[str, list[Sequence]] = {}
+        self.num_computed_tokens = 0  # tokens run through the model, ever: progress
         self._ids = itertools.count()
         # Set by a prefill instance (kvabi/server/kv_roles.py) to send a prompt's KV layer by
         # layer: called on this thread once a layer's K/V of a step are stored, with the
@@ -141,6 +144,7 @@ class LLMEngine:
     ) -> str:
         """Queue a request; raises ValueError for input that cannot be served."""
         ids = self.prompt_ids(prompt)
+        self.check_fits(len(ids), params.max_tokens)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
@@ -175,6 +179,22 @@ class LLMEngine:
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt: token ids must be in [0, {vocab})")
 
+    @property
+    def max_kv_tokens(self) -> int:
+        """The most tokens one sequence's KV can take: the whole pool."""
+        return self.info.num_blocks * self.config.block_size
+
+    def check_fits(self, num_prompt: int, max_tokens: int) -> None:
+        """Refuse what could never finish: the last token's KV is never stored, so a sequence
+        needs room for prompt + max_tokens - 1 tokens (preemption can free the rest)."""
+        need = num_prompt + max_tokens - 1
+        if need > self.max_kv_tokens:
+            raise ValueError(
+                f"max_tokens: {max_tokens} with a {num_prompt}-token prompt needs KV for {need} "
+                f"tokens; the KV cache holds {self.max_kv_tokens} ({self.info.num_blocks} blocks "
+                f"of {self.config.block_size}), so at most {self.max_kv_tokens + 1 - num_prompt}"
+            )
+
     def _new_seq(
         self, request_id: str, index: int, ids: list[int], params: SamplingParams
     ) -> Sequence:
@@ -205,6 +225,7 @@ class LLMEngine:
             self.storage.copy_blocks([c.src for c in batch.copies], [c.dst for c in batch.copies])
         if not batch.seqs:
             return []
+        self.num_computed_tokens += batch.num_tokens
         logits = self.runner.run(batch, self._layer_hook(batch))
         touched = self._postprocess(batch, logits)
         outputs = [request_output(r, self.requests[r]) for r in touched]
@@ -252,7 +273,10 @@ class LLMEngine:
         for seq in self.scheduler.waiting[: max(room, 0)]:
             if not seq.is_promoted:
                 seq.is_promoted = True
-                self.tiers.promote(self.scheduler.block_keys(seq))
+                try:
+                    self.tiers.promote(self.scheduler.block_keys(seq))
+                except Exception:  # the pool is consistent (promote frees what it pinned)
+                    log.exception("loading %s from the lower tiers failed", seq.request_id)
 
     def _end_request(self, seqs: list[Sequence]) -> None:
         """A request left; when it was its session's last, demote the session's blocks."""
@@ -280,16 +304,31 @@ class LLMEngine:
             self.scheduler.cache_computed(s.seq)
             if not s.samples:
                 continue
-            if s.seq.params.n > 1 and not s.seq.output_ids and s.seq.index == 0:
-                self._fork(s.seq, logits[row])
-            p = s.seq.params
-            if p.is_greedy and p.logprobs is None:
-                self._append(s.seq, argmax[row], None)
-            else:
-                self._append(s.seq, *sample(logits[row], p, s.seq.generator))
+            if not s.seq.is_finished:  # a sibling's failure may have ended it this step
+                try:
+                    self._next_token(s.seq, logits[row], argmax[row])
+                except Exception as exc:  # this request fails alone; the batch goes on
+                    self._fail(s.seq.request_id, exc)
             touched[s.seq.request_id] = None
             row += 1
         return list(touched)
+
+    def _next_token(self, seq: Sequence, logits: torch.Tensor, argmax: int) -> None:
+        if seq.params.n > 1 and not seq.output_ids and seq.index == 0:
+            self._fork(seq, logits)
+        p = seq.params
+        if p.is_greedy and p.logprobs is None:
+            self._append(seq, argmax, None)
+        else:
+            self._append(seq, *sample(logits, p, seq.generator))
+
+    def _fail(self, request_id: str, exc: Exception) -> None:
+        """End every sequence of the request with `finish_reason` "error" (blocks freed)."""
+        log.exception("request %s failed while sampling or stopping", request_id)
+        for seq in self.requests[request_id]:
+            seq.error = f"{type(exc).__name__}: {exc}"
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "error")
 
     def _fork(self, parent: Sequence, logits: torch.Tensor) -> None:
         """n > 1: children share all of the parent's prompt blocks; whoever first writes into
@@ -327,7 +366,5 @@ class LLMEngine:
                 seq.text = seq.text[:at]
                 return "stop"
         if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.info.max_model_len:
-            return "length"
-        if -(-seq.num_tokens // self.config.block_size) > self.info.num_blocks:
-            return "length"  # could never fit the cache, even alone
+            return "length"  # add_request made sure the cache holds max_tokens
         return None

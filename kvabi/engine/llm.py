@@ -58,6 +58,8 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         checked = [self.engine.prompt_ids(p) for p in prompts]  # all before any work starts
+        for ids in checked:
+            self.engine.check_fits(len(ids), params.max_tokens)
         ids = [self.engine.add_request(p, params) for p in checked]
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), disable=not use_tqdm, desc="generate")

@@ -13,7 +13,7 @@ class CompletionOutput:
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] | None
-    finish_reason: str | None  # stop, length, abort; None while running
+    finish_reason: str | None  # stop, length, abort, error; None while running
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,7 @@ class RequestOutput:
     prompt_token_ids: tuple[int, ...]
     outputs: tuple[CompletionOutput, ...]
     finished: bool
+    error: str | None = None  # the request failed (sampling or a stop rule raised): why
 
 
 def request_output(request_id: str, seqs: list[Sequence]) -> RequestOutput:
@@ -35,5 +36,8 @@ def request_output(request_id: str, seqs: list[Sequence]) -> RequestOutput:
         )
         for s in sorted(seqs, key=lambda s: s.index)
     )
-    finished = len(seqs) == seqs[0].params.n and all(s.is_finished for s in seqs)
-    return RequestOutput(request_id, tuple(seqs[0].prompt_ids), outs, finished)
+    error = next((s.error for s in seqs if s.error is not None), None)
+    finished = error is not None or (
+        len(seqs) == seqs[0].params.n and all(s.is_finished for s in seqs)
+    )
+    return RequestOutput(request_id, tuple(seqs[0].prompt_ids), outs, finished, error)

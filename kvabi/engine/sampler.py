@@ -26,7 +26,7 @@ def sample(
 def _choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     if params.is_greedy:
         return int(logits.argmax())
-    scaled = logits / params.temperature
+    scaled = (logits - logits.max()) / params.temperature  # <= 0: finite for any temperature
     if params.top_k:
         kth = scaled.topk(min(params.top_k, scaled.numel())).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -35,6 +35,7 @@ def _choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Gener
         sorted_probs, order = probs.sort(descending=True)
         # keep the smallest prefix whose mass reaches top_p (always at least the top token)
         drop = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
+        drop[0] = False  # a top_p below float32's smallest value rounds to 0 here
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,8 +1,17 @@
-"""`SamplingParams`: how one request's tokens are chosen, checked before any work starts."""
+"""`SamplingParams`: how one request's tokens are chosen, checked before any work starts.
+
+As in vLLM, a temperature below `SAMPLING_EPS` (1e-5) is greedy: dividing logits by it could
+only overflow, and no sampler can tell such a distribution from its argmax. Values that cannot
+be sampled (infinite or NaN temperature or top_p) are refused here, before a request exists.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+SAMPLING_EPS = 1e-5  # temperatures below it are greedy (vLLM's _SAMPLING_EPS)
+MAX_TAG_CHARS = 128
 
 
 @dataclass(frozen=True)
@@ -30,7 +39,12 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         checks = [
             (self.max_tokens >= 1, "max_tokens", "must be >= 1", self.max_tokens),
-            (self.temperature >= 0, "temperature", "must be >= 0", self.temperature),
+            (
+                math.isfinite(self.temperature) and self.temperature >= 0,
+                "temperature",
+                "must be finite and >= 0",
+                self.temperature,
+            ),
             (0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p),
             (self.top_k >= 0, "top_k", "must be >= 0 (0 disables it)", self.top_k),
             (1 <= self.n <= 64, "n", "must be in [1, 64]", self.n),
@@ -41,6 +55,13 @@ class SamplingParams:
                 self.logprobs,
             ),
             (all(s for s in self.stop), "stop", "stop strings must be non-empty", self.stop),
+            (self.cache_salt != "", "cache_salt", "must be non-empty (omit it for none)", ""),
+            (
+                self.tag is None or 0 < len(self.tag) <= MAX_TAG_CHARS,
+                "tag",
+                f"must have 1 to {MAX_TAG_CHARS} characters",
+                self.tag,
+            ),
         ]
         for ok, name, rule, value in checks:
             if not ok:
@@ -48,4 +69,4 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS

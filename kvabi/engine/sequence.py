@@ -38,6 +38,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
+    error: str | None = None  # why the request failed (finish_reason "error")
     text: str = ""
     num_preemptions: int = 0
     # Prefix cache (scheduler): the chained hashes of its full blocks, their root (model and

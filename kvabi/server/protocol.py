@@ -58,7 +58,7 @@ class GenerationRequest(BaseModel):
             top_k=0 if self.top_k in (None, -1) else self.top_k,
             seed=self.seed,
             n=self.n,
-            stop=self.stop or (),
+            stop=() if self.stop is None else self.stop,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             cache_salt=self.cache_salt,
