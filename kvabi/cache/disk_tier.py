@@ -48,16 +48,14 @@ class DiskTier(KVTier):
         """The file of this hash's entry (present or not)."""
         return self.dir / f"{block_hash.hex()}{SUFFIX}"
 
-    def contains_many(self, block_hashes: Sequence[bytes]) -> list[bool]:
+    def _contains_many(self, block_hashes: Sequence[bytes]) -> list[bool]:
         with self._lock:
             return [h in self._index for h in block_hashes]
 
-    def get_many(self, block_hashes: Sequence[bytes]) -> list[bytes | None]:
+    def _get_many(self, block_hashes: Sequence[bytes]) -> list[bytes | None]:
         return [self._get(h) for h in block_hashes]
 
-    def put(self, block_hash: bytes, entry: bytes) -> None:
-        if len(entry) > self.capacity_bytes:
-            return
+    def _put(self, block_hash: bytes, entry: bytes) -> None:
         with self._lock:
             if block_hash in self._index:
                 return
@@ -77,7 +75,7 @@ class DiskTier(KVTier):
         self._unlink(victims)
         self.stats.add(writes=1, write_bytes=len(entry), evictions=len(victims))
 
-    def remove(self, block_hash: bytes) -> None:
+    def _remove(self, block_hash: bytes) -> None:
         with self._lock:
             size = self._index.pop(block_hash, None)
             if size is not None:

@@ -26,11 +26,11 @@ class HostTier(KVTier):
     def num_blocks(self) -> int:
         return len(self._entries)
 
-    def contains_many(self, block_hashes: Sequence[bytes]) -> list[bool]:
+    def _contains_many(self, block_hashes: Sequence[bytes]) -> list[bool]:
         with self._lock:
             return [h in self._entries for h in block_hashes]
 
-    def get_many(self, block_hashes: Sequence[bytes]) -> list[bytes | None]:
+    def _get_many(self, block_hashes: Sequence[bytes]) -> list[bytes | None]:
         out = []
         with self._lock:
             for h in block_hashes:
@@ -40,9 +40,7 @@ class HostTier(KVTier):
                 out.append(entry)
         return out
 
-    def put(self, block_hash: bytes, entry: bytes) -> None:
-        if len(entry) > self.capacity_bytes:
-            return  # could never fit; keeping it would evict everything else
+    def _put(self, block_hash: bytes, entry: bytes) -> None:
         with self._lock:
             if block_hash in self._entries:
                 self._entries.move_to_end(block_hash)
@@ -56,7 +54,7 @@ class HostTier(KVTier):
                 evicted += 1
         self.stats.add(writes=1, write_bytes=len(entry), evictions=evicted)
 
-    def remove(self, block_hash: bytes) -> None:
+    def _remove(self, block_hash: bytes) -> None:
         with self._lock:
             entry = self._entries.pop(block_hash, None)
             if entry is not None:

@@ -12,17 +12,16 @@ share one namespace without ever reading each other's entries. The tier manages 
 capacity: run the server without a `maxmemory` eviction policy, which would drop entries behind
 the LRU set's back (they then read as misses, and `<ns>:bytes` overcounts).
 
-Faults: every call has a short timeout and no retries. A failure counts, marks the tier down for
-`retry_s` seconds (during which it answers "absent" at once, so the step loop never waits on a
-dead server), and the next call after that reconnects.
+Faults: every call has a short timeout and no retries. A failure (the server gone, or a value
+this code did not write, e.g. `<ns>:bytes` that is not a number) raises; `KVTier` counts it and
+marks the tier down for `retry_s` seconds (it answers "absent" at once meanwhile, so the step
+loop never waits on a dead server), and the next call after that reconnects.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
 import redis
 from redis.backoff import NoBackoff
@@ -56,9 +55,6 @@ redis.call('ZREM', KEYS[2], KEYS[1])
 return n
 """
 
-_ERRORS = (redis.RedisError, OSError)
-T = TypeVar("T")
-
 
 class RedisTier(KVTier):
     name = "redis"
@@ -71,7 +67,7 @@ class RedisTier(KVTier):
         timeout_s: float = 0.25,
         retry_s: float = 1.0,
     ) -> None:
-        super().__init__(capacity_bytes)
+        super().__init__(capacity_bytes, retry_s)
         self.client = redis.Redis.from_url(
             url,
             socket_timeout=timeout_s,
@@ -79,13 +75,10 @@ class RedisTier(KVTier):
             retry=Retry(NoBackoff(), 0),
         )
         self.namespace = namespace
-        self.retry_s = retry_s
         self._lru_key, self._bytes_key = f"{namespace}:lru", f"{namespace}:bytes"
-        self._put = self.client.register_script(_PUT)
-        self._remove = self.client.register_script(_REMOVE)
-        self._down_until = 0.0
+        self._put_script = self.client.register_script(_PUT)
+        self._remove_script = self.client.register_script(_REMOVE)
         self._seen = (0, 0)  # (bytes, entries) as of this process's last put or get
-        self._lock = threading.Lock()
 
     @property
     def num_bytes(self) -> int:
@@ -95,66 +88,34 @@ class RedisTier(KVTier):
     def num_blocks(self) -> int:
         return self._seen[1]
 
-    @property
-    def is_down(self) -> bool:
-        return time.monotonic() < self._down_until
-
     def key(self, block_hash: bytes) -> str:
         """The Redis key of this hash's entry."""
         return f"{self.namespace}:block:{block_hash.hex()}"
 
-    def contains_many(self, block_hashes: Sequence[bytes]) -> list[bool]:
-        if not block_hashes:
-            return []
+    def _contains_many(self, block_hashes: Sequence[bytes]) -> list[bool]:
+        scores = self.client.zmscore(self._lru_key, [self.key(h) for h in block_hashes])
+        return [s is not None for s in scores]
+
+    def _get_many(self, block_hashes: Sequence[bytes]) -> list[bytes | None]:
         keys = [self.key(h) for h in block_hashes]
-        scores = self._call(lambda: self.client.zmscore(self._lru_key, keys))
-        return [s is not None for s in scores] if scores else [False] * len(keys)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.mget(keys)
+        pipe.zadd(self._lru_key, dict.fromkeys(keys, time.time()), xx=True)
+        pipe.get(self._bytes_key).zcard(self._lru_key)
+        entries, _, total, count = pipe.execute()
+        self._seen = (int(total or 0), int(count))
+        return [e if isinstance(e, bytes) else None for e in entries]
 
-    def get_many(self, block_hashes: Sequence[bytes]) -> list[bytes | None]:
-        if not block_hashes:
-            return []
-        keys = [self.key(h) for h in block_hashes]
-
-        def fetch() -> list:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.mget(keys)
-            pipe.zadd(self._lru_key, dict.fromkeys(keys, time.time()), xx=True)
-            pipe.get(self._bytes_key).zcard(self._lru_key)
-            entries, _, total, count = pipe.execute()
-            self._seen = (int(total or 0), int(count))
-            return entries
-
-        entries = self._call(fetch)
-        return list(entries) if entries else [None] * len(keys)
-
-    def put(self, block_hash: bytes, entry: bytes) -> None:
-        if len(entry) > self.capacity_bytes:
-            return
+    def _put(self, block_hash: bytes, entry: bytes) -> None:
         keys = [self.key(block_hash), self._lru_key, self._bytes_key]
-        args = [entry, time.time(), self.capacity_bytes]
-        result = self._call(lambda: self._put(keys=keys, args=args))
-        if result is None:
-            return
+        result = self._put_script(keys=keys, args=[entry, time.time(), self.capacity_bytes])
         wrote, evicted, total, count = (int(x) for x in result)
         self._seen = (total, count)
         if wrote:
             self.stats.add(writes=1, write_bytes=len(entry), evictions=evicted)
 
-    def remove(self, block_hash: bytes) -> None:
-        keys = [self.key(block_hash), self._lru_key, self._bytes_key]
-        self._call(lambda: self._remove(keys=keys))
+    def _remove(self, block_hash: bytes) -> None:
+        self._remove_script(keys=[self.key(block_hash), self._lru_key, self._bytes_key])
 
     def close(self) -> None:
         self.client.close()
-
-    def _call(self, fn: Callable[[], T]) -> T | None:
-        """Run one client call; on failure count it, mark the tier down and return None."""
-        if self.is_down:
-            return None
-        try:
-            return fn()
-        except _ERRORS:
-            with self._lock:
-                self._down_until = time.monotonic() + self.retry_s
-            self.stats.add(failures=1)
-            return None

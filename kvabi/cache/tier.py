@@ -6,16 +6,25 @@ and never interprets them: checksums, the model check and layout conversion happ
 `TieredCache`, whatever tier an entry came from. Each tier has a capacity in bytes and evicts its
 own least recently used entries to stay under it.
 
-A tier may fail (a remote store goes away): its methods then answer "absent" and count the
-failure instead of raising, so a request never fails because of a tier.
+A tier may fail (a remote store goes away, a value in it is not what this code wrote): any
+exception from a tier's own code is a tier failure. The public methods catch it, count it, log
+the outage once and mark the tier down for `retry_s` seconds, during which it answers "absent"
+at once; the caller carries on with the tiers that are left. A request never fails because of
+a tier, and no exception from one reaches the step loop.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
+from typing import TypeVar
+
+log = logging.getLogger("kvabi.cache")
+T = TypeVar("T")
 
 
 @dataclass
@@ -47,15 +56,21 @@ class TierStats:
 
 
 class KVTier(ABC):
-    """One storage tier. Methods are thread-safe: the step loop reads while a writer writes."""
+    """One storage tier. Methods are thread-safe: the step loop reads while a writer writes.
+
+    Subclasses implement the underscored methods and may raise from them; the public ones
+    turn any exception into a failure (see the module docstring)."""
 
     name: str
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, retry_s: float = 1.0) -> None:
         if capacity_bytes < 1:
             raise ValueError(f"{self.name} tier capacity: must be >= 1 byte, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
+        self.retry_s = retry_s
         self.stats = TierStats()
+        self._down_until = 0.0
+        self._down_lock = threading.Lock()
 
     @property
     @abstractmethod
@@ -69,24 +84,66 @@ class KVTier(ABC):
 
     @property
     def is_down(self) -> bool:
-        """Whether the tier is marked unreachable (it then answers "absent" at once)."""
-        return False
+        """Whether the tier is marked down after a failure (it then answers "absent" at once)."""
+        return time.monotonic() < self._down_until
 
-    @abstractmethod
     def contains_many(self, block_hashes: Sequence[bytes]) -> list[bool]:
         """Whether each hash has an entry (without touching its LRU position)."""
+        absent = [False] * len(block_hashes)
+        return self._guard(lambda: self._contains_many(block_hashes), absent) if absent else []
 
-    @abstractmethod
     def get_many(self, block_hashes: Sequence[bytes]) -> list[bytes | None]:
         """Each hash's entry (unverified bytes) or None; found entries become most recent."""
+        absent: list[bytes | None] = [None] * len(block_hashes)
+        return self._guard(lambda: self._get_many(block_hashes), absent) if absent else []
 
-    @abstractmethod
     def put(self, block_hash: bytes, entry: bytes) -> None:
         """Store an entry (a no-op when present), evicting the least recent to fit."""
+        if len(entry) <= self.capacity_bytes:  # else it would evict everything, then not fit
+            self._guard(lambda: self._put(block_hash, entry), None)
 
-    @abstractmethod
     def remove(self, block_hash: bytes) -> None:
         """Drop an entry (a corrupt or foreign one) if present."""
+        self._guard(lambda: self._remove(block_hash), None)
 
     def close(self) -> None:  # noqa: B027 - most tiers hold nothing to release
         """Release connections or handles."""
+
+    def _guard(self, op: Callable[[], T], absent: T) -> T:
+        if self.is_down:
+            return absent
+        try:
+            result = op()
+        except Exception as exc:
+            self._failed(exc)
+            return absent
+        if isinstance(absent, list) and len(result) != len(absent):  # type: ignore[arg-type]
+            self._failed(ValueError(f"answered {len(result)} of {len(absent)} entries"))
+            return absent
+        return result
+
+    def _failed(self, exc: Exception) -> None:
+        with self._down_lock:
+            was_up = not self.is_down
+            self._down_until = time.monotonic() + self.retry_s
+        self.stats.add(failures=1)
+        if was_up:
+            log.warning(
+                "kvabi: %s tier failed (%s: %s); its blocks are misses for %.1f s",
+                self.name,
+                type(exc).__name__,
+                exc,
+                self.retry_s,
+            )
+
+    @abstractmethod
+    def _contains_many(self, block_hashes: Sequence[bytes]) -> list[bool]: ...
+
+    @abstractmethod
+    def _get_many(self, block_hashes: Sequence[bytes]) -> list[bytes | None]: ...
+
+    @abstractmethod
+    def _put(self, block_hash: bytes, entry: bytes) -> None: ...
+
+    @abstractmethod
+    def _remove(self, block_hash: bytes) -> None: ...

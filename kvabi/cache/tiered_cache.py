@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 from kvabi.abi.buffers import CacheBuffers
-from kvabi.abi.errors import IncompatibleError, KvabiError
+from kvabi.abi.errors import IncompatibleError
 from kvabi.cache.block_codec import BlockCodec, stack_blocks
 from kvabi.cache.block_pool import BlockKey
 from kvabi.cache.kv_storage import KVStorage
@@ -80,11 +80,14 @@ class TieredCache:
             return 0
         self.pool.touch(pooled)  # pinned: the allocation below must not evict them
         targets = self.pool.allocate(len(plan))
-        self.write_down_evicted()  # what those blocks held goes down before it is overwritten
-        num_loaded = self._load(plan, targets)
-        for (_, key), block_id in zip(plan[:num_loaded], targets, strict=False):
-            self.pool.cache_block(block_id, key)
-        self.pool.free(pooled + targets)  # unloaded targets are empty and go first
+        num_loaded = 0
+        try:
+            self.write_down_evicted()  # what those blocks held goes down before it is overwritten
+            num_loaded = self._load(plan, targets)
+            for (_, key), block_id in zip(plan[:num_loaded], targets, strict=False):
+                self.pool.cache_block(block_id, key)
+        finally:  # whatever failed, the pins and the unfilled targets go back
+            self.pool.free(pooled + targets)  # unloaded targets are empty and go first
         return num_loaded * self.block_size
 
     def flush(self) -> None:
@@ -160,7 +163,7 @@ class TieredCache:
             return self.codec.decode(entry, key)
         except IncompatibleError:
             tier.stats.add(refused=1)
-        except KvabiError:
+        except Exception:  # KvabiError, or bytes no reader expects: never loaded either way
             tier.stats.add(corrupt=1)
         tier.remove(key.block_hash)
         return None

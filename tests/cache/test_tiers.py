@@ -100,3 +100,34 @@ def test_redis_tier_fails_soft_while_down_and_reconnects(redis_server):  # noqa:
 def test_a_tier_needs_a_capacity(capacity):
     with pytest.raises(ValueError, match="capacity"):
         HostTier(capacity)
+
+
+class _Broken(HostTier):
+    """A host tier whose reads raise what no tier code catches by name."""
+
+    def _get_many(self, block_hashes):
+        raise ValueError("invalid literal for int() with base 10: b'12x34'")
+
+
+def test_any_exception_from_a_tier_is_a_counted_failure_that_marks_it_down():
+    tier = _Broken(1 << 20)
+    tier.retry_s = 0.2
+    tier.put(h(1), b"entry")
+    assert tier.get_many([h(1), h(2)]) == [None, None]  # before: the ValueError escaped
+    assert (tier.stats.failures, tier.is_down) == (1, True)
+    assert tier.contains_many([h(1)]) == [False]  # down: absent at once, nothing asked
+    assert tier.stats.failures == 1
+    time.sleep(0.25)
+    assert not tier.is_down and tier.contains_many([h(1)]) == [True]
+
+
+def test_a_redis_value_this_code_did_not_write_is_a_tier_failure(redis_server):  # noqa: F811
+    tier = RedisTier(redis_server.url, 1 << 20, retry_s=0.2)
+    tier.put(h(1), b"entry")
+    tier.client.set("kvabi:bytes", b"12x34")
+    assert tier.get_many([h(1)]) == [None]
+    assert tier.stats.failures == 1 and tier.is_down
+    tier.client.set("kvabi:bytes", b"5")  # repaired: used again once the tier is back up
+    time.sleep(0.25)
+    assert tier.get_many([h(1)]) == [b"entry"]
+    tier.close()

@@ -197,3 +197,26 @@ def test_a_second_process_in_another_layout_reuses_what_the_first_computed(
     second = json.loads(result.stdout.splitlines()[-1])
     assert tuple(second["tokens"]) == reference[tuple(P)]
     assert second["stats"]["tier_redis_hit_tokens"] == 20
+
+
+def test_a_bad_value_in_redis_costs_no_request_and_no_block(redis_server, reference):  # noqa: F811
+    # Before: the tier's ValueError escaped the load, the blocks it had pinned stayed taken and
+    # every later request waited forever on a pool with 0 free blocks.
+    config = TierConfig(redis_url=redis_server.url, redis_retry_s=0.2)
+    engine = tiny_engine(block_size=4, num_blocks=12, tiers=config)
+    assert tokens(engine, P) == reference[tuple(P)]
+    assert tokens(engine, Q) == reference[tuple(Q)]  # evicts P's tail to Redis
+    engine.flush_tiers()
+    client = engine.tiers.tier("redis").client
+    client.set("kvabi:bytes", b"12x34")
+    for _ in range(3):
+        assert tokens(engine, P) == reference[tuple(P)]
+        assert tokens(engine, Q) == reference[tuple(Q)]
+        assert engine.pool.num_free == engine.pool.num_blocks
+    assert engine.cache_stats()["tier_redis_failures"] >= 1
+    client.set("kvabi:bytes", str(sum(len(client.get(k)) for k in client.keys("kvabi:block:*"))))
+    time.sleep(0.25)  # back up: the tier serves again
+    before = engine.cache_stats()["tier_redis_hit_tokens"]
+    assert tokens(engine, P) == reference[tuple(P)]  # its tail, evicted by Q, from Redis
+    assert engine.cache_stats()["tier_redis_hit_tokens"] - before == 8  # as in the first test
+    engine.close()
