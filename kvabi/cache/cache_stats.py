@@ -1,14 +1,15 @@
 """`CacheStats`: prefix-cache metrics per request tag, and the flat form every exporter reads.
 
 `flat_stats` is the contract behind `LLMEngine.cache_stats()` (the server exports it as
-Prometheus gauges): a `dict[str, float]`, names made of `[a-z0-9_]` only.
+Prometheus gauges): a `dict[str, float]`, names made of `[a-z0-9_]` except a tag's own part.
 
 - `prefix_queries`, `prefix_query_tokens`, `prefix_hit_tokens`, `prefix_hit_rate`,
   `prefix_saved_tokens` (prefill tokens not computed), `prefix_cow_copies`: one query per
   request, at its first admission; hits count blocks found in any tier.
 - `tag_<tag>_queries`, `_query_tokens`, `_hit_tokens`, `_hit_rate`, `_saved_tokens` per
-  request tag (`SamplingParams.tag`), the tag reduced to `[a-z0-9_]`; past `MAX_TAGS` tags the
-  rest add up under `tag__other_*`.
+  request tag (`SamplingParams.tag`), the tag exactly as given (distinct tags never share a
+  name; the server exports them with the tag as a label); past `MAX_TAGS` tags the rest add up
+  under `tags_other_*`. `TAG_FIGURES` names the figures.
 - `tier_pool_*` (the engine's block pool): `blocks`, `cached_blocks`, `bytes` (blocks holding
   live or cached KV), `capacity_bytes`, `evictions`, `query_tokens`, `hit_tokens` (hits that
   were already in the pool), `hit_rate`.
@@ -22,7 +23,6 @@ Prometheus gauges): a `dict[str, float]`, names made of `[a-z0-9_]` only.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -31,7 +31,7 @@ from kvabi.cache.tier import KVTier
 from kvabi.cache.tier_writer import TierWriter
 
 MAX_TAGS = 64
-OTHER_TAG = "_other"
+TAG_FIGURES = ("queries", "query_tokens", "hit_tokens", "hit_rate", "saved_tokens")
 
 
 @dataclass
@@ -64,7 +64,8 @@ class CacheStats:
     """Counters the scheduler and engine update; tiers keep their own (`TierStats`)."""
 
     prefix: QueryStats = field(default_factory=QueryStats)
-    tags: dict[str, QueryStats] = field(default_factory=dict)
+    tags: dict[str, QueryStats] = field(default_factory=dict)  # by tag, as given
+    other_tags: QueryStats = field(default_factory=QueryStats)  # tags past MAX_TAGS
     num_cow_copies: int = 0
 
     def record_query(self, tag: str | None, num_tokens: int, num_cached_tokens: int) -> None:
@@ -74,15 +75,9 @@ class CacheStats:
             self._tag(tag).record(num_tokens, num_cached_tokens)
 
     def _tag(self, tag: str) -> QueryStats:
-        name = metric_name(tag)
-        if name not in self.tags and len(self.tags) >= MAX_TAGS:
-            name = OTHER_TAG
-        return self.tags.setdefault(name, QueryStats())
-
-
-def metric_name(tag: str) -> str:
-    """A tag as a metric name part: lower case, runs of other characters as one `_`."""
-    return re.sub(r"[^a-z0-9]+", "_", tag.lower()).strip("_") or "_"
+        if tag not in self.tags and len(self.tags) >= MAX_TAGS:
+            return self.other_tags
+        return self.tags.setdefault(tag, QueryStats())
 
 
 def flat_stats(
@@ -96,6 +91,8 @@ def flat_stats(
     out = stats.prefix.flat("prefix") | {"prefix_cow_copies": stats.num_cow_copies}
     for tag, tag_stats in sorted(stats.tags.items()):
         out |= tag_stats.flat(f"tag_{tag}")
+    if stats.other_tags.queries:
+        out |= stats.other_tags.flat("tags_other")
     out |= _pool_stats(stats, pool, block_bytes, tiers)
     for tier in tiers:
         out |= _tier_stats(tier)

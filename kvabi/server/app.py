@@ -19,12 +19,14 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
 from kvabi.disagg.settings import DisaggSettings
 from kvabi.engine.engine import LLMEngine
 from kvabi.server.async_engine import AsyncEngine
 from kvabi.server.errors import APIError, from_validation_error
+from kvabi.server.http_limits import BodyDeadline, BodyTimeout, body_timeout_response
 from kvabi.server.kv_events import start_publisher, tokenize_routes
 from kvabi.server.kv_roles import DecodeRole, PrefillRole
 from kvabi.server.metrics import ServerMetrics
@@ -80,8 +82,11 @@ def create_app(
     app.include_router(tokenize_routes, dependencies=[Depends(require_api_key)])
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(ClientDisconnect, _client_gone)
+    app.add_exception_handler(BodyTimeout, body_timeout_response)
     app.add_exception_handler(Exception, _internal_error)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyDeadline, timeout_s=settings.body_timeout_s)
     app.add_middleware(CountResponses, counter=metrics.http_requests, routes=ROUTES)
     return app
 
@@ -110,8 +115,24 @@ v1_routes = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 
 @open_routes.get("/health")
 async def get_health(request: Request) -> JSONResponse:
-    alive = _serving(request).async_engine.is_alive
-    return JSONResponse({"status": "ok" if alive else "engine stopped"}, 200 if alive else 503)
+    """200 while the engine thread runs and makes progress; 503 once it stopped, or once it
+    has had work without computing a token for `stall_timeout_s`."""
+    s = _serving(request)
+    engine = s.async_engine
+    if not engine.is_alive:
+        return JSONResponse({"status": "engine stopped"}, 503)
+    stalled = engine.seconds_without_progress
+    if stalled > s.settings.stall_timeout_s:
+        snap = engine.snapshot
+        body = {
+            "status": "engine stalled",
+            "seconds_without_progress": round(stalled, 1),
+            "running": snap.num_running,
+            "waiting": snap.num_waiting,
+            "free_blocks": snap.num_free_blocks,
+        }
+        return JSONResponse(body, 503)
+    return JSONResponse({"status": "ok"}, 200)
 
 
 @open_routes.get("/metrics")
@@ -175,6 +196,13 @@ async def _http_error(_: Request, exc: Exception) -> JSONResponse:
         exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None
     )
     return JSONResponse(error.body(), error.status, headers=exc.headers)
+
+
+async def _client_gone(request: Request, _: Exception) -> Response:
+    """The client left while sending its request: one line, not a traceback."""
+    client = request.client.host if request.client else "?"
+    log.info("client %s disconnected before its request was read (%s)", client, request.url.path)
+    return Response(status_code=499)  # nobody reads it
 
 
 async def _internal_error(_: Request, exc: Exception) -> JSONResponse:

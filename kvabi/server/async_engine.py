@@ -5,6 +5,10 @@ commands in an inbox (`add`, `abort`); the engine thread drains it, steps while 
 hands each step's outputs back to the requests' `RequestHandle`s with
 `loop.call_soon_threadsafe`. After every step the thread publishes an `EngineSnapshot` (blocks,
 queues, cache statistics) that /metrics reads without touching the engine.
+
+Progress: the thread notes when the engine last computed a token (or had nothing to do);
+`seconds_without_progress` is how long an engine with work has gone without, whether its
+thread is stuck in a step or its steps schedule nothing. /health reports such an engine.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ class EngineSnapshot:
     num_waiting: int
     num_preemptions: int
     cache_stats: dict[str, float]
+    has_work: bool = False
+    cache_tags: tuple[str, ...] = ()  # request tags whose figures are in cache_stats
 
 
 class RequestObserver(Protocol):
@@ -66,6 +72,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._progress_at = time.monotonic()  # last token computed, or last idle moment
 
     @property
     def num_in_flight(self) -> int:
@@ -74,6 +81,13 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def seconds_without_progress(self) -> float:
+        """How long the engine has had work without computing a token (0 when it has none)."""
+        if not self.snapshot.has_work:
+            return 0.0
+        return time.monotonic() - self._progress_at
 
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will await the results."""
@@ -140,6 +154,8 @@ class AsyncEngine:
         """Apply queued commands (waiting for one if `block`); False once asked to stop."""
         try:
             command = self._inbox.get() if block else self._inbox.get_nowait()
+            if block:
+                self._progress_at = time.monotonic()  # it was idle until now: nothing owed
             while True:
                 if command is _STOP:
                     return False
@@ -173,8 +189,11 @@ class AsyncEngine:
     def _step(self) -> None:
         """One engine step; the snapshot is published before the outputs, so a client that has
         its answer sees gauges at least as new as it."""
+        before = self.engine.num_computed_tokens
         try:
             outputs = self.engine.step()
+            if self.engine.num_computed_tokens != before:
+                self._progress_at = time.monotonic()
         except Exception as exc:  # a bug or a bad state: fail what is in flight, keep serving
             log.exception("engine step failed; failing the requests in flight")
             for request_id in list(self.engine.requests):
@@ -196,6 +215,8 @@ class AsyncEngine:
             num_waiting=len(scheduler.waiting),
             num_preemptions=getattr(scheduler, "num_preemptions", 0),
             cache_stats=dict(stats()) if callable(stats) else {},
+            has_work=self.engine.has_unfinished(),
+            cache_tags=tuple(getattr(getattr(self.engine, "stats", None), "tags", ())),
         )
 
     def _call_soon(self, fn: Callable[..., None], *args: object) -> None:
@@ -209,6 +230,9 @@ class AsyncEngine:
             handle = self._handles.get(out.request_id)
             if handle is None:
                 continue  # aborted meanwhile
+            if out.error is not None:
+                self._fail(out.request_id, f"engine error: {out.error}")
+                continue
             progress = handle.advance(out, now)
             if self.observer is not None:
                 self.observer.updated(handle, progress)

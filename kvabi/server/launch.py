@@ -3,6 +3,7 @@ process on a free local port (`ServerProcess`, for tests and `kvabi bench serve`
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -27,18 +28,32 @@ def run_server(
     log_level: str = "info",
     disagg: DisaggSettings | None = None,
 ) -> None:
-    """Serve until interrupted (Ctrl-C, SIGTERM): uvicorn over `create_app`."""
+    """Serve until interrupted (Ctrl-C, SIGTERM): uvicorn over `create_app`; kvabi's own log
+    lines go to stderr at `log_level`, as uvicorn's do."""
     import uvicorn
 
     from kvabi.server.app import create_app
+    from kvabi.server.http_limits import header_deadline_protocol
 
+    log_to_stderr(log_level)
     uvicorn.run(
         create_app(engine, settings, disagg),
         host=host,
         port=port,
         log_level=log_level,
         timeout_graceful_shutdown=5,
+        http=header_deadline_protocol(settings.header_timeout_s),
     )
+
+
+def log_to_stderr(level: str) -> None:
+    """Show the `kvabi.*` loggers' records on stderr from `level` up, one line each."""
+    logger = logging.getLogger("kvabi")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:  %(name)s: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(level.upper())
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -3,13 +3,13 @@
 Counters and histograms are fed on the event loop as requests progress (`ServerMetrics` is the
 `AsyncEngine`'s observer). Gauges come from the engine thread's latest `EngineSnapshot` through a
 custom collector, so their names can be dynamic: each entry of `LLMEngine.cache_stats()` (the
-prefix cache's figures, where the engine has it) is exported as `kvabi_cache_<name>`.
+prefix cache's figures, where the engine has it) is exported as `kvabi_cache_<name>`, but a
+request tag's figures as `kvabi_cache_tag_<figure>{tag="<tag as given>"}`.
 Each app has its own registry (no process-wide globals).
 """
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Iterator
 
@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvabi.cache.cache_stats import TAG_FIGURES
 from kvabi.server.async_engine import EngineSnapshot
 from kvabi.server.request_handle import Progress, RequestHandle
 
@@ -100,9 +101,19 @@ class EngineCollector(Collector):
         yield CounterMetricFamily(
             "kvabi_preemptions", "sequences preempted (recomputed later)", value=s.num_preemptions
         )
+        tagged = {f"tag_{tag}_{figure}" for tag in s.cache_tags for figure in TAG_FIGURES}
         for name, value in s.cache_stats.items():
-            metric = f"kvabi_cache_{re.sub(r'[^a-zA-Z0-9_]', '_', name)}"
-            yield _gauge(metric, f"engine cache_stats()['{name}']", value)
+            if name not in tagged:  # the rest are [a-z0-9_] (cache_stats.py)
+                yield _gauge(f"kvabi_cache_{name}", f"engine cache_stats()['{name}']", value)
+        for figure in TAG_FIGURES if s.cache_tags else ():
+            metric = GaugeMetricFamily(
+                f"kvabi_cache_tag_{figure}",
+                f"prefix cache {figure} per request tag",
+                labels=["tag"],
+            )
+            for tag in s.cache_tags:
+                metric.add_metric([tag], s.cache_stats[f"tag_{tag}_{figure}"])
+            yield metric
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -1,8 +1,9 @@
 """A request's prompt as token ids and its `SamplingParams`, checked before any work is queued.
 
 The context window (`engine.info.max_model_len`) bounds prompt + max_tokens: a prompt that fills
-it, or an explicit max_tokens that overruns it, is a 400 `context_length_exceeded`; an unset
-max_tokens takes what the window leaves (completions: at most OpenAI's default of 16).
+it, or an explicit max_tokens that overruns it, is a 400 `context_length_exceeded`; so is a
+max_tokens the whole KV cache could not hold (`engine.max_kv_tokens`). An unset max_tokens
+takes what both leave (completions: at most OpenAI's default of 16).
 """
 
 from __future__ import annotations
@@ -31,8 +32,7 @@ def prepare_completion(req: CompletionRequest, engine: LLMEngine) -> PreparedReq
     ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     max_tokens = req.max_tokens
     if "max_tokens" not in req.model_fields_set:
-        window_left = engine.info.max_model_len - len(ids)
-        max_tokens = max(min(COMPLETION_DEFAULT_MAX_TOKENS, window_left), 1)
+        max_tokens = max(min(COMPLETION_DEFAULT_MAX_TOKENS, _room(engine, len(ids))), 1)
     return _prepare(req, ids, max_tokens, req.logprobs, engine, "prompt")
 
 
@@ -62,11 +62,18 @@ def _prepare(
     _check_window(len(ids), max_tokens, engine.info.max_model_len, prompt_field)
     try:
         if max_tokens is None:
-            max_tokens = engine.info.max_model_len - len(ids)
+            max_tokens = max(_room(engine, len(ids)), 1)
         params = req.sampling_params(max_tokens, logprobs)
-        return PreparedRequest(engine.prompt_ids(ids), params)
+        prompt_ids = engine.prompt_ids(ids)
+        engine.check_fits(len(ids), max_tokens)
     except ValueError as exc:
         raise from_value_error(exc, {"prompt": prompt_field}) from exc
+    return PreparedRequest(prompt_ids, params)
+
+
+def _room(engine: LLMEngine, num_prompt: int) -> int:
+    """The most tokens a prompt leaves to generate: in the window and in the KV cache."""
+    return min(engine.info.max_model_len, engine.max_kv_tokens + 1) - num_prompt
 
 
 def _check_window(num_prompt: int, max_tokens: int | None, window: int, prompt_field: str) -> None:

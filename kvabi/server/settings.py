@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+HEADER_TIMEOUT_S = 10.0  # a request's line and headers must arrive within this
+BODY_TIMEOUT_S = 30.0  # and its body within this after them (then 408)
+
 
 @dataclass(frozen=True)
 class ServerSettings:
@@ -14,6 +17,9 @@ class ServerSettings:
     retry_after_s: int = 1  # told to clients refused for load
     kv_events: str | None = None  # ZMQ endpoint to publish block events on (vLLM's format)
     kv_events_replay: str | None = None  # ZMQ endpoint answering replay requests
+    stall_timeout_s: float = 30.0  # /health says 503 once work waits this long without progress
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    body_timeout_s: float = BODY_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -24,5 +30,8 @@ class ServerSettings:
             raise ValueError(f"max_body_bytes: must be >= 1, got {self.max_body_bytes}")
         if self.max_queued < 0:
             raise ValueError(f"max_queued: must be >= 0, got {self.max_queued}")
+        for name in ("stall_timeout_s", "header_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)!r}")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s: must be >= 0, got {self.retry_after_s}")

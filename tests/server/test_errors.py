@@ -28,6 +28,9 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", None),
     ("/v1/completions", {"prompt": "x", "seed": 2**64}, 400, "seed", None),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop", None),
+    ("/v1/completions", {"prompt": "x", "stop": ""}, 400, "stop", None),
+    ("/v1/completions", {"prompt": "x", "cache_salt": ""}, 400, "cache_salt", None),
+    ("/v1/completions", {"prompt": "x", "tag": "t" * 129}, 400, "tag", None),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", None),
     ("/v1/completions", {"prompt": ""}, 400, "prompt", None),
     ("/v1/completions", {"prompt": [1, 2, 999]}, 400, "prompt", None),
@@ -154,3 +157,34 @@ def test_bodies_over_the_limit_are_413_whether_declared_or_streamed():
         declared.json()["error"]["code"] == streamed.json()["error"]["code"] == "request_too_large"
     )
     assert fine.status_code == 200
+
+
+@pytest.mark.parametrize("raw", ["1e400", "-1e400", "Infinity", "NaN"])
+def test_temperatures_that_json_parses_as_infinite_or_nan_are_400(raw):
+    body = b'{"prompt": "x", "max_tokens": 2, "temperature": ' + raw.encode() + b"}"
+    response = with_client(app_for(), lambda c: c.post("/v1/completions", content=body))
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "temperature"
+
+
+def test_max_tokens_past_what_the_kv_cache_holds_is_400_and_the_default_fits():
+    from tests.server.tiny_server import tiny_chat_engine
+
+    engine = tiny_chat_engine(num_blocks=64)  # 256 tokens of KV, under the 512-token window
+
+    async def calls(client):
+        prompt = list(range(1, 201))
+        too_long = {"prompt": prompt, "max_tokens": 58, "ignore_eos": True}
+        fits = {"prompt": prompt, "max_tokens": 57, "ignore_eos": True, "temperature": 0}
+        chat = {"messages": [{"role": "user", "content": "x" * 200}], "ignore_eos": True}
+        return [await client.post("/v1/completions", json=b) for b in (too_long, fits)] + [
+            await client.post("/v1/chat/completions", json=chat)
+        ]
+
+    refused, fits, chat = with_client(app_for(engine), calls)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+    assert "KV cache holds 256" in refused.json()["error"]["message"]
+    assert fits.json()["usage"]["completion_tokens"] == 57
+    usage = chat.json()["usage"]  # no max_tokens: what the cache leaves, not the window
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 257
+    assert chat.json()["choices"][0]["finish_reason"] == "length"

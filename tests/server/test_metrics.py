@@ -109,4 +109,4 @@ def test_cache_salt_and_tag_reach_the_prefix_cache():
     hit = ("kvabi_cache_prefix_hit_tokens", ())
     assert first[hit] == other_tenant[hit] == 0  # another salt never shares blocks
     assert same_tenant[hit] > 0
-    assert same_tenant["kvabi_cache_tag_faq_queries", ()] == 3
+    assert same_tenant["kvabi_cache_tag_queries", (("tag", "faq"),)] == 3
