@@ -16,6 +16,18 @@ _GQA = {  # name: (layers, kv heads, head dim)
     "smollm2-135m": (30, 3, 64),
 }
 _MLA = {"deepseek-v3": (61, 512, 64)}  # layers, kv_lora_rank, qk_rope_head_dim
+_VOCAB = {  # config.json vocab_size
+    "llama-3-8b": 128256,
+    "llama-3-70b": 128256,
+    "llama-3.1-405b": 128256,
+    "llama-2-7b": 32000,
+    "llama-2-70b": 32000,
+    "mistral-7b": 32000,
+    "qwen2-7b": 152064,
+    "qwen2-72b": 152064,
+    "smollm2-135m": 49152,
+    "deepseek-v3": 129280,
+}
 
 
 def catalog_model(name: str) -> ModelSpec:
@@ -28,6 +40,12 @@ def catalog_model(name: str) -> ModelSpec:
         layers, rank, rope = _MLA[key]
         return ModelSpec((LayerSpec(MLA, latent_dim=rank, rope_dim=rope),) * layers, key)
     raise KeyError(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")
+
+
+def catalog_vocab_size(fingerprint: str) -> int | None:
+    """The vocabulary size of the catalog model a fingerprint names (catalog descriptors use
+    the name as fingerprint), or None for any other fingerprint."""
+    return _VOCAB.get(fingerprint)
 
 
 MODEL_NAMES = tuple(_GQA) + tuple(_MLA)

@@ -12,6 +12,7 @@ from kvabi.abi.plan import plan
 from kvabi.abi.presets import PRESETS, preset_descriptor
 from kvabi.abi.text_form import from_text
 from kvabi.bench.report import print_table
+from kvabi.cli.containers import add_container_commands
 from kvabi.cli.disagg import add_disagg_args, add_router_args, cmd_disagg, cmd_router
 from kvabi.cli.prefill_worker import add_prefill_worker_args, cmd_prefill_worker
 from kvabi.cli.serve import add_serve_args, add_serve_bench_args, cmd_serve
@@ -69,53 +70,6 @@ def cmd_layouts(args: argparse.Namespace) -> int:
         print()
         for p in PRESETS.values():
             print(f"{p.name}: {p.source}")
-    return 0
-
-
-def cmd_inspect(args: argparse.Namespace) -> int:
-    from kvabi.abi.buffers import owner_layers
-    from kvabi.wire import read_container
-
-    c = read_container(args.file)  # verifies every checksum before returning
-    desc = c.desc
-    print(f"descriptor: {desc}")
-    print(f"compat digest: {desc.model.compat_digest()}")
-    tokens = list(c.token_ids)
-    print(f"tokens: {len(tokens)}  first: {tokens[:12]}")
-    print(
-        f"block hashes: {len(c.block_hashes)}"
-        + (f"  first: {c.block_hashes[0].hex()[:32]}..." if c.block_hashes else "")
-    )
-    layers = owner_layers(desc)
-    per_layer = c.cache.num_bytes // max(len(layers), 1)
-    print(
-        f"sections: {len(layers)} layers x {per_layer} B = {c.cache.num_bytes} B payload "
-        f"({c.cache.num_bytes / max(len(tokens), 1):.0f} B/token)"
-    )
-    print("checksums: ok")
-    return 0
-
-
-def cmd_convert(args: argparse.Namespace) -> int:
-    from kvabi.abi.convert import convert
-    from kvabi.wire import read_container, write_container
-
-    c = read_container(args.input)
-    overrides = {
-        k: v for k, v in (("block_size", args.block_size), ("dtype", args.dtype)) if v is not None
-    }
-    dst_desc = preset_descriptor(args.to, c.desc.model, **overrides)
-    if dst_desc.layout.is_cross_layer:
-        raise KvabiError(
-            f"{args.to} is a cross-layer pool layout; containers hold one "
-            "section per layer, so pick a per-layer preset"
-        )
-    out = convert(c.cache, dst_desc, num_tokens=len(c.token_ids))
-    write_container(args.output, out, list(c.token_ids), list(c.block_hashes))
-    print(
-        f"{args.input} [{c.desc.layout.name or c.desc.layout.axes}] -> {args.output} "
-        f"[{args.to}]: {len(c.token_ids)} tokens, {out.num_bytes} B payload"
-    )
     return 0
 
 
@@ -177,16 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kind", choices=["attn", "mla"])
     p.add_argument("--sources", action="store_true", help="print each preset's source")
     p.set_defaults(fn=cmd_layouts)
-    p = sub.add_parser("inspect", help="show a container and verify its checksums")
-    p.add_argument("file")
-    p.set_defaults(fn=cmd_inspect)
-    p = sub.add_parser("convert", help="convert a container to another engine's layout")
-    p.add_argument("input")
-    p.add_argument("output")
-    p.add_argument("--to", required=True, choices=sorted(PRESETS), metavar="PRESET")
-    p.add_argument("--block-size", type=int)
-    p.add_argument("--dtype")
-    p.set_defaults(fn=cmd_convert)
+    add_container_commands(sub)
     p = sub.add_parser("plan", help="KV bytes per token, request and fleet")
     p.add_argument("--model", default="llama-3-70b", choices=MODEL_NAMES)
     p.add_argument("--layout", default="vllm-flash-attn", choices=sorted(PRESETS), metavar="PRESET")

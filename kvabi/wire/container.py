@@ -364,3 +364,16 @@ def _tensors(layout: SectionLayout, payload: memoryview) -> dict[str, torch.Tens
         raw = torch.frombuffer(payload, dtype=spec.dtype, count=count, offset=offset)
         out[spec.key] = raw.view(spec.shape)
     return out
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int) -> None:
+    """Every id in [0, vocab_size) (a reader that knows the model's vocabulary checks this
+    before it trusts a cache of those tokens), else a `FormatError` naming the first one."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+    if bad.size:
+        i = int(bad[0])
+        raise FormatError(
+            f"token id {int(ids[i])} at position {i} is outside the model's vocabulary "
+            f"[0, {vocab_size}) ({bad.size} such ids)"
+        )

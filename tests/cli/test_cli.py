@@ -1,3 +1,5 @@
+import dataclasses
+
 import torch
 
 from kvabi.abi.block_hash import hash_blocks, root_hash
@@ -79,3 +81,54 @@ def test_convert_refuses_a_cross_layer_target(tmp_path, capsys):
     )
     assert "cross-layer" in capsys.readouterr().err
     assert not (tmp_path / "b.kvabi").exists()
+
+
+def test_convert_refuses_block_sizes_past_the_tokens_held_in_one_line(tmp_path, capsys):
+    # Before: 1073741824 tried an 824 GB allocation (a 29-line traceback); 16384 wrote 377 MB.
+    _container(tmp_path / "a.kvabi")  # 40 tokens
+    out = tmp_path / "b.kvabi"
+    for size in ("1073741824", "16384", "0"):
+        args = ["convert", str(tmp_path / "a.kvabi"), str(out), "--to", "vllm-flash-attn"]
+        assert main([*args, "--block-size", size]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--block-size {size}: must be in [1, 1024]" in err
+        assert not out.exists()
+    assert main([*args, "--block-size", "64"]) == 0  # one padded block is fine
+    assert read_container(out).desc.layout.block_size == 64
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(tmp_path, capsys):
+    # A writer that recomputed the checksums over bad token ids: checksums alone pass.
+    model = catalog_model("smollm2-135m")  # the fingerprint names a catalog model: vocab 49152
+    desc = preset_descriptor("vllm-flash-attn", model)
+    tokens = [1, 2, 49152, 3]
+    write_container(tmp_path / "bad.kvabi", CacheBuffers(desc, allocate(desc, 1)), tokens)
+    for command in (["inspect"], ["convert", "--to", "vllm-flash-attn-hnd"]):
+        args = [*command[:1], str(tmp_path / "bad.kvabi"), *command[1:]]
+        if command[0] == "convert":
+            args.insert(2, str(tmp_path / "out.kvabi"))
+        assert main(args) == 1
+        assert "token id 49152 at position 2 is outside the model's vocabulary" in (
+            capsys.readouterr().err
+        )
+    assert not (tmp_path / "out.kvabi").exists()
+
+
+def test_inspect_checks_token_ids_against_a_given_model(tmp_path, capsys):
+    from kvabi.interop.model_spec import state_dict_fingerprint
+    from kvabi.models.registry import load_model
+    from tests.server.tiny_server import tiny_folder
+
+    folder = tiny_folder(tmp_path / "tiny")
+    fingerprint = state_dict_fingerprint(load_model(folder, progress=False).model.state_dict())
+    spec = dataclasses.replace(catalog_model("smollm2-135m"), fingerprint=fingerprint)
+    desc = preset_descriptor("vllm-flash-attn", spec)
+    for name, tokens in (("ok", [1, 2, 256]), ("bad", [1, 2, 257])):  # the tiny vocab: 257
+        write_container(tmp_path / f"{name}.kvabi", CacheBuffers(desc, allocate(desc, 1)), tokens)
+    assert main(["inspect", str(tmp_path / "ok.kvabi"), "--model", str(folder)]) == 0
+    assert main(["inspect", str(tmp_path / "bad.kvabi"), "--model", str(folder)]) == 1
+    assert "token id 257 at position 2" in capsys.readouterr().err
+    other = tmp_path / "a.kvabi"
+    _container(other)  # fingerprint smollm2-135m: another model than the folder's
+    assert main(["inspect", str(other), "--model", str(folder)]) == 1
+    assert "its cache is of another model" in capsys.readouterr().err
