@@ -39,6 +39,13 @@ def cmd_router(args: argparse.Namespace) -> int:
 
     from kvabi.disagg.prefix_routing import EventSource
     from kvabi.disagg.router import PrefillTarget, RouterConfig, create_router_app
+    from kvabi.server.http_limits import (
+        BodyDeadline,
+        BodyTimeout,
+        body_timeout_response,
+        header_deadline_protocol,
+    )
+    from kvabi.server.settings import BODY_TIMEOUT_S, HEADER_TIMEOUT_S
 
     config = RouterConfig(
         tuple(PrefillTarget(url, kv) for url, kv in args.prefill),
@@ -46,7 +53,16 @@ def cmd_router(args: argparse.Namespace) -> int:
         kv_events=tuple(EventSource(url, endpoint) for url, endpoint in args.kv_events),
     )
     print(f"kvabi router: http://{args.host}:{args.port}/v1 -> {config}", flush=True)
-    uvicorn.run(create_router_app(config), host=args.host, port=args.port, log_level=args.log_level)
+    app = create_router_app(config)
+    app.add_middleware(BodyDeadline, timeout_s=BODY_TIMEOUT_S)
+    app.add_exception_handler(BodyTimeout, body_timeout_response)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        http=header_deadline_protocol(HEADER_TIMEOUT_S),
+    )
     return 0
 
 

@@ -29,6 +29,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, help="KV cache blocks (default: what 512 MiB holds)")
     p.add_argument("--max-queued", type=int, default=256, help="requests waiting, then 503")
     p.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
+    p.add_argument(
+        "--header-timeout", type=float, default=10.0, help="seconds a request's headers may take"
+    )
+    p.add_argument(
+        "--body-timeout", type=float, default=30.0, help="seconds its body may take (then 408)"
+    )
+    p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=30.0,
+        help="/health answers 503 once the engine has work but computes nothing this long",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--kv-events",
@@ -37,12 +49,36 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "(e.g. tcp://127.0.0.1:5557; off by default), for prefix-aware routers",
     )
     p.add_argument("--kv-events-replay", metavar="ENDPOINT", help="ZMQ endpoint for replays")
+    t = p.add_argument_group("KV tiers below the pool (prefix caching; none by default)")
+    t.add_argument("--host-tier-bytes", type=int, default=0, help="host RAM tier capacity")
+    t.add_argument("--disk-tier", metavar="DIR", help="local disk tier folder (survives restarts)")
+    t.add_argument("--disk-tier-bytes", type=int, default=8 * 2**30)
+    t.add_argument("--redis-tier", metavar="URL", help="a Redis shared by instances")
+    t.add_argument("--redis-tier-bytes", type=int, default=2**30)
     g = p.add_argument_group("disaggregation (kvabi router sends requests to decode instances)")
     g.add_argument("--role", choices=["both", "prefill", "decode"], default="both")
     g.add_argument("--kv-address", default="127.0.0.1:8100", help="prefill: KV endpoint to bind")
     g.add_argument("--kv-peer", action="append", default=[], help="decode: a prefill KV endpoint")
     g.add_argument("--kv-transport", default="tcp", choices=["tcp", "nixl"], help="how KV travels")
-    g.add_argument("--kv-timeout", type=float, default=10.0, help="seconds a transfer may stall")
+    g.add_argument(
+        "--kv-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a prefill peer may stay silent (no data, no heartbeat) before the decode "
+        "instance gives up on it and prefills locally",
+    )
+    g.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a whole fetch may take (queueing, prefill, transfer)",
+    )
+    g.add_argument(
+        "--kv-peer-cooldown",
+        type=float,
+        default=30.0,
+        help="decode: after 3 failed fetches in a row, skip that peer this long (doubling)",
+    )
     g.add_argument(
         "--kv-secret",
         default=os.environ.get("KVABI_KV_SECRET"),
@@ -65,6 +101,21 @@ def disagg_settings(args: argparse.Namespace) -> object | None:
         peers=tuple(args.kv_peer),
         transport=args.kv_transport,
         io_timeout_s=args.kv_timeout,
+        transfer_timeout_s=args.kv_transfer_timeout,
+        peer_cooldown_s=args.kv_peer_cooldown,
+    )
+
+
+def tier_config(args: argparse.Namespace) -> object:
+    """The TierConfig the tier flags describe."""
+    from kvabi.cache.tier_config import TierConfig
+
+    return TierConfig(
+        host_bytes=args.host_tier_bytes,
+        disk_dir=args.disk_tier,
+        disk_bytes=args.disk_tier_bytes,
+        redis_url=args.redis_tier,
+        redis_bytes=args.redis_tier_bytes,
     )
 
 
@@ -105,6 +156,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or None,
         max_body_bytes=args.max_body_bytes,
         max_queued=args.max_queued,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        stall_timeout_s=args.stall_timeout,
         kv_events=args.kv_events,
         kv_events_replay=args.kv_events_replay,
     )
@@ -119,6 +173,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         num_blocks=args.num_blocks,
+        tiers=tier_config(args),
     )
     run_server(llm.engine, settings, args.host, args.port, args.log_level, disagg)
     return 0

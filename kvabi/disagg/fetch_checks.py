@@ -5,14 +5,22 @@ identity on the decode side (both the TCP and the NIXL transport use them).
 from __future__ import annotations
 
 import socket
+import time
 
 from kvabi.abi.block_hash import hash_blocks, root_hash
 from kvabi.abi.descriptor import Descriptor
-from kvabi.disagg.errors import MessageTooLargeError, PeerClosedError, TransferError
+from kvabi.disagg.errors import (
+    MessageTooLargeError,
+    PeerClosedError,
+    TransferError,
+    TransferTimeoutError,
+)
 from kvabi.disagg.framing import expect, recv_msg, send_msg
 from kvabi.disagg.transport import FetchRequest, TransportConfig
 from kvabi.wire.container import Container, ContainerMeta
 from kvabi.wire.errors import FormatError
+
+MIN_HEARTBEAT_S = 0.05
 
 
 def parse_fetch(msg: dict, max_tokens: int, block_size: int) -> FetchRequest:
@@ -31,14 +39,24 @@ def parse_fetch(msg: dict, max_tokens: int, block_size: int) -> FetchRequest:
     return FetchRequest(tuple(ids), start, salt)
 
 
-def fetch_msg(request: FetchRequest) -> dict:
-    """The `fetch` control message of `request`."""
+def fetch_msg(request: FetchRequest, heartbeat_s: float) -> dict:
+    """The `fetch` control message of `request`; `heartbeat_s`: how often the asker wants a
+    `wait` while the peer prefills (a third of its stall timeout)."""
     return {
         "t": "fetch",
         "token_ids": list(request.token_ids),
         "start_token": request.start_token,
         "cache_salt": request.cache_salt,
+        "heartbeat_s": heartbeat_s,
     }
+
+
+def heartbeat_interval(msg: dict, config: TransportConfig) -> float:
+    """How often to say `wait` for this fetch: as the asker asks, within [0.05, ours] s."""
+    asked = msg.get("heartbeat_s")
+    if not isinstance(asked, int | float) or isinstance(asked, bool) or not asked > 0:
+        return config.heartbeat_s
+    return min(max(float(asked), MIN_HEARTBEAT_S), config.heartbeat_s)
 
 
 class ClosedByPeer(PeerClosedError):
@@ -53,18 +71,22 @@ def ask_kv(
     own: Descriptor,
     peer: Descriptor,
 ) -> tuple[dict, list[bytes]]:
-    """Send the `fetch` message and wait (up to the transfer timeout: the peer prefills
-    first) for its `kv` reply; the connection is left at the I/O timeout. Meanwhile the
-    block hashes the answer must carry are computed (`check_identity` takes them)."""
+    """Send the `fetch` message and wait for its `kv` reply: up to the transfer timeout in
+    all while the peer prefills, but no longer than the I/O timeout between its `wait`
+    heartbeats (a frozen peer fails in `io_timeout_s`). Meanwhile the block hashes the answer
+    must carry are computed (`check_identity` takes them)."""
+    deadline = time.monotonic() + config.transfer_timeout_s
     try:
-        send_msg(conn, fetch_msg(request))
+        send_msg(conn, fetch_msg(request, config.heartbeat_s))
         expected = prompt_hashes(own, peer.layout.block_size, request)
-        conn.settimeout(config.transfer_timeout_s)
-        reply = expect(recv_msg(conn), "kv")
-    except PeerClosedError as exc:
+        reply = recv_msg(conn)
+    except PeerClosedError as exc:  # before any answer: retried once on a fresh connection
         raise ClosedByPeer(str(exc)) from exc
-    conn.settimeout(config.io_timeout_s)
-    return reply, expected
+    while reply["t"] == "wait":
+        if time.monotonic() > deadline:
+            raise TransferTimeoutError("the peer did not answer within the transfer timeout")
+        reply = recv_msg(conn)
+    return expect(reply, "kv"), expected
 
 
 def prompt_hashes(own: Descriptor, block_size: int, request: FetchRequest) -> list[bytes]:

@@ -4,6 +4,9 @@ After a transport's handshake, each `fetch` message is parsed and checked (fetch
 the prefill runs through the provider, and the transport's `send` ships the stream. A failure
 before the first layer is ready (bad request, prefill error) gets an `error` reply and the
 connection stays usable; a failure while sending closes the stream, which abandons the prefill.
+Until the first layer is ready (the prompt may wait behind others), a `wait` message goes out
+as often as the fetch asks (a third of the asker's stall timeout, at most ours): the asker
+tells a busy peer from a frozen one by it.
 """
 
 from __future__ import annotations
@@ -11,10 +14,11 @@ from __future__ import annotations
 import itertools
 import logging
 import socket
+import threading
 from collections.abc import Callable, Iterator
 
 from kvabi.abi.descriptor import Descriptor
-from kvabi.disagg.fetch_checks import parse_fetch
+from kvabi.disagg.fetch_checks import heartbeat_interval, parse_fetch
 from kvabi.disagg.framing import expect, recv_msg, send_msg
 from kvabi.disagg.layer_feed import LayerBuffers
 from kvabi.disagg.transport import KVPayload, KVStream, StreamProvider, TransportConfig
@@ -52,9 +56,10 @@ def _answer(
 ) -> None:
     try:
         request = parse_fetch(msg, config.max_tokens, desc.layout.block_size)
-        answer = provider(request)
-        stream = KVStream.of(answer) if isinstance(answer, KVPayload) else answer
-        first = next(stream.layers)  # the prefill's failures up to here get an answer
+        with Heartbeat(conn, heartbeat_interval(msg, config)):
+            answer = provider(request)
+            stream = KVStream.of(answer) if isinstance(answer, KVPayload) else answer
+            first = next(stream.layers)  # the prefill's failures up to here get an answer
     except Exception as exc:
         log.warning("prefill for a fetch failed: %s", exc)
         send_msg(conn, {"t": "error", "kind": "prefill", "msg": str(exc)[:2000]})
@@ -75,3 +80,29 @@ def sections(
     if is_live:
         return (writer.prepare(layer_id, tensors) for layer_id, tensors in layers)
     return iter([writer.prepare(layer_id, tensors) for layer_id, tensors in layers])
+
+
+class Heartbeat:
+    """While inside `with`, send a `wait` message every `interval_s` on `conn` (from a thread
+    of its own; nothing else sends on `conn` meanwhile). A failed send ends the heartbeat: the
+    reply that follows fails the same way."""
+
+    def __init__(self, conn: socket.socket, interval_s: float) -> None:
+        self.conn, self.interval_s = conn, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="kvabi-kv-wait", daemon=True)
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                send_msg(self.conn, {"t": "wait"})
+            except Exception:
+                return

@@ -27,7 +27,7 @@ from kvabi.disagg.errors import AuthError, PeerIncompatibleError
 from kvabi.disagg.framing import expect, recv_msg, send_msg
 
 HASH_SCHEME = "kvabi-block-hash/1"  # docs/ABI.md, section 4
-PROTOCOL = 1
+PROTOCOL = 2  # 2: `wait` heartbeats before a `kv` reply (fetch_loop.py)
 NONCE_BYTES = 32
 MAX_HANDSHAKE_BYTES = 2**20
 

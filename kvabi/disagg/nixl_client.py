@@ -147,6 +147,8 @@ class NixlKVClient(KVClient):
     def _take_new(self) -> _Channel:
         try:
             return self._open()[0]
+        except TransferError:
+            raise  # typed already (e.g. a handshake the frozen peer never answers)
         except OSError as exc:
             raise TransferError(f"cannot reach prefill peer {self.address}: {exc}") from exc
 

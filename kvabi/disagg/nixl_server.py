@@ -21,7 +21,6 @@ from kvabi.abi.descriptor import Descriptor
 from kvabi.disagg.errors import TransferTimeoutError
 from kvabi.disagg.fetch_loop import sections, serve_fetches
 from kvabi.disagg.framing import expect, recv_msg, send_msg
-from kvabi.disagg.handshake import server_handshake
 from kvabi.disagg.kv_listener import KVListener
 from kvabi.disagg.nixl_fault import FaultPlan
 from kvabi.disagg.nixl_memory import Arena, make_agent
@@ -52,7 +51,7 @@ class NixlKVServer(KVServer):
         self.agent = make_agent("prefill")
         self.arena = Arena(self.agent, *arena_shape)
         self._faults = FaultPlan.from_env()
-        self._listener = KVListener(address, self._serve, "kvabi-nixl-accept")
+        self._listener = KVListener(address, config, desc, self._serve, "kvabi-nixl-accept")
         self._listener.start()
 
     @property
@@ -66,15 +65,11 @@ class NixlKVServer(KVServer):
         self.arena.close()
 
     def _serve(self, conn: socket.socket) -> None:
-        try:
-            conn.settimeout(self.config.io_timeout_s)
-            server_handshake(conn, self.config.secret, self.desc)
-            expect(recv_msg(conn, 4096), "nixl_hello")  # authenticated from here on
-            md = self.agent.get_agent_metadata()
-            send_msg(conn, {"t": "nixl_md", "md": md, **self.arena.info().to_msg()})
-            serve_fetches(conn, self.config, self.desc, self.provider, self._send, self._is_closed)
-        except Exception as exc:  # the connection ends; the server goes on
-            log.info("kv connection closed: %s", exc)
+        """An authenticated connection (KVListener did the handshake); errors end it."""
+        expect(recv_msg(conn, 4096), "nixl_hello")
+        md = self.agent.get_agent_metadata()
+        send_msg(conn, {"t": "nixl_md", "md": md, **self.arena.info().to_msg()})
+        serve_fetches(conn, self.config, self.desc, self.provider, self._send, self._is_closed)
 
     def _is_closed(self) -> bool:
         return self._listener.is_closed

@@ -12,10 +12,15 @@ request before its answer is retried on the next one; when none is left the requ
 prefill instance, which is a whole engine and serves it colocated. A streamed answer cut after
 its first bytes ends with an error event (its text so far was already delivered). A prefill
 instance that fails costs nothing here: the decode instance then prefills the prompt itself.
+Health: every `health_interval_s` the router asks each instance's /health; one that does not
+answer 200 is tried after the healthy ones, and a prefill instance is named as a peer only
+while it is healthy (with none healthy the header says `none` and decode instances prefill
+locally at once, instead of waiting out a transfer timeout on a frozen peer).
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
@@ -32,6 +37,7 @@ from kvabi.disagg.prefix_routing import EventSource, PrefixRouting
 
 log = logging.getLogger("kvabi.router")
 PEER_HEADER = "x-kvabi-prefill"
+NO_PEER = "none"  # PEER_HEADER's value when no prefill instance is healthy: prefill locally
 INSTANCE_HEADER = "x-kvabi-instance"  # the instance that served the request
 RETRIES_HEADER = "x-kvabi-retries"  # instances that failed it first
 CACHED_HEADER = "x-kvabi-cached-tokens"  # the prompt's tokens the instance held, per its events
@@ -52,6 +58,8 @@ class RouterConfig:
     connect_timeout_s: float = 5.0
     max_body_bytes: int = 4 * 2**20
     kv_events: tuple[EventSource, ...] = ()  # instances whose KV events the router follows
+    health_interval_s: float = 2.0  # how often every instance's /health is asked
+    health_timeout_s: float = 2.0  # an instance slower than this to answer is unhealthy
 
     def __post_init__(self) -> None:
         if not self.decode and not self.prefill:
@@ -69,17 +77,49 @@ class Router:
         self.client = httpx.AsyncClient(timeout=timeout)
         self.routing = PrefixRouting(config.kv_events, self.client)
         self._turn = itertools.count()
+        self.statuses: dict[str, int] = {}  # url -> its last /health status (0: no answer)
+
+    def is_healthy(self, url: str) -> bool:
+        """As of the last check (an instance not checked yet counts as healthy)."""
+        return self.statuses.get(url, 200) == 200
 
     def candidates(self, cached: dict[str, int] | None = None) -> list[tuple[str, dict[str, str]]]:
         """Where to try a request, in order: each decode instance with a prefill peer to fetch
-        from, then the prefill instances as colocated engines; both by `cached` tokens, then
-        load, then round robin."""
+        from, then the prefill instances as colocated engines; healthy ones first, then by
+        `cached` tokens, then load, then round robin."""
         cached, turn = cached or {}, next(self._turn)
-        decode = self.routing.order(self.config.decode, turn, cached)
+        decode = self._healthy_first(self.routing.order(self.config.decode, turn, cached))
         by_url = {p.url: p for p in self.config.prefill}
-        prefill = [by_url[u] for u in self.routing.order(list(by_url), turn, cached)]
-        headers = {PEER_HEADER: prefill[0].kv_address} if prefill else {}
+        order = self._healthy_first(self.routing.order(list(by_url), turn, cached))
+        prefill = [by_url[u] for u in order]
+        headers = {}
+        if prefill:
+            peer = prefill[0].kv_address if self.is_healthy(prefill[0].url) else NO_PEER
+            headers = {PEER_HEADER: peer}
         return [(url, headers) for url in decode] + [(p.url, {}) for p in prefill]
+
+    def _healthy_first(self, urls: list[str]) -> list[str]:
+        return sorted(urls, key=lambda u: not self.is_healthy(u))  # stable: keeps the order
+
+    async def check_health(self) -> dict[str, int]:
+        """Ask every instance's /health now (concurrently) and remember the answers."""
+        urls = [*self.config.decode, *(p.url for p in self.config.prefill)]
+        codes = await asyncio.gather(*(self._status(u) for u in urls))
+        self.statuses = dict(zip(urls, codes, strict=True))
+        return self.statuses
+
+    async def watch_health(self) -> None:
+        """`check_health` every `health_interval_s`, until cancelled."""
+        while True:
+            await self.check_health()
+            await asyncio.sleep(self.config.health_interval_s)
+
+    async def _status(self, url: str) -> int:
+        try:
+            r = await self.client.get(url + "/health", timeout=self.config.health_timeout_s)
+        except httpx.TransportError:
+            return 0
+        return r.status_code
 
     async def forward(self, request: Request, path: str) -> Response:
         """POST the request to the first candidate that serves it (see the module doc)."""
@@ -148,12 +188,7 @@ class Router:
 
     async def health(self) -> JSONResponse:
         """ok when some decode instance (or, failing that, a prefill instance) is healthy."""
-        status = {}
-        for url, _ in self.candidates():
-            try:
-                status[url] = (await self.client.get(url + "/health", timeout=2.0)).status_code
-            except httpx.TransportError:
-                status[url] = 0
+        status = await self.check_health()
         ok = any(code == 200 for code in status.values())
         body = {"status": "ok" if ok else "no instance", "instances": status}
         if self.routing.sources:
@@ -204,9 +239,11 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         router.routing.start()
+        watcher = asyncio.create_task(router.watch_health())
         try:
             yield
         finally:
+            watcher.cancel()
             router.routing.close()
             await router.client.aclose()
 

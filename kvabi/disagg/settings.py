@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvabi.disagg.nixl_memory import is_nixl_available
 from kvabi.disagg.nixl_transport import NixlTransport
+from kvabi.disagg.peer_backoff import PeerBackoff
 from kvabi.disagg.tcp_transport import TcpTransport
 from kvabi.disagg.transport import Transport, TransportConfig, split_address
 
@@ -20,8 +21,10 @@ class DisaggSettings:
     kv_address: str = "127.0.0.1:8100"  # prefill: where the KV endpoint listens
     peers: tuple[str, ...] = ()  # decode: the prefill KV endpoints it may fetch from
     transport: str = "tcp"
-    io_timeout_s: float = 10.0
-    transfer_timeout_s: float = 120.0
+    io_timeout_s: float = 10.0  # a peer silent this long (no data, no heartbeat) is frozen
+    transfer_timeout_s: float = 120.0  # a whole fetch: queueing, prefill and transfer
+    peer_max_failures: int = 3  # decode: failed fetches in a row before a peer is skipped
+    peer_cooldown_s: float = 30.0  # decode: how long it is skipped (doubling while it fails)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -36,6 +39,7 @@ class DisaggSettings:
         for address in (self.kv_address, *self.peers):
             split_address(address)
         self.transport_config()  # validates the secret and timeouts
+        PeerBackoff(self.peer_max_failures, self.peer_cooldown_s)  # validates those
 
     def transport_config(self) -> TransportConfig:
         """What the transport needs of these settings."""

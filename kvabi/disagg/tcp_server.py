@@ -1,12 +1,13 @@
 """The TCP transport's prefill side: one thread per authenticated connection.
 
-A connection handshakes (handshake.py), then serves `fetch` messages one at a time: the
-provider prefills the prompt and returns its blocks, in full (`KVPayload`) or layer by layer
-as the forward stores them (`KVStream`). Once the first layer is ready a `kv` message (the
-container's byte length) goes back, then the container, each layer's section as soon as that
-layer is ready, in bounded chunks: layer l is on the wire while the prefill computes l + 1.
-A failure before the first layer is answered with an `error` message and the connection stays
-usable; a failure after it closes the connection (the peer sees a truncated container).
+A connection handshakes (handshake.py, run by `KVListener`), then serves `fetch` messages one
+at a time: the provider prefills the prompt and returns its blocks, in full (`KVPayload`) or
+layer by layer as the forward stores them (`KVStream`). Once the first layer is ready a `kv`
+message (the container's byte length) goes back, then the container, each layer's section as
+soon as that layer is ready, in bounded chunks: layer l is on the wire while the prefill
+computes l + 1. A failure before the first layer is answered with an `error` message and the
+connection stays usable; a failure after it closes the connection (the peer sees a truncated
+container).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import time
 from kvabi.abi.descriptor import Descriptor
 from kvabi.disagg.fetch_loop import sections, serve_fetches
 from kvabi.disagg.framing import ChunkedSink, send_msg
-from kvabi.disagg.handshake import server_handshake
 from kvabi.disagg.kv_listener import KVListener
 from kvabi.disagg.layer_feed import LayerBuffers
 from kvabi.disagg.transport import (
@@ -42,7 +42,7 @@ class TcpKVServer(KVServer):
     ) -> None:
         self.config, self.desc, self.provider = config, desc, provider
         self._fault = _Fault.from_env()
-        self._listener = KVListener(address, self._serve, "kvabi-kv-accept")
+        self._listener = KVListener(address, config, desc, self._serve, "kvabi-kv-accept")
         self._listener.start()
 
     @property
@@ -53,15 +53,10 @@ class TcpKVServer(KVServer):
         self._listener.close()
 
     def _serve(self, conn: socket.socket) -> None:
-        try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # we gather small writes
-            conn.settimeout(self.config.io_timeout_s)
-            server_handshake(conn, self.config.secret, self.desc)
-            serve_fetches(
-                conn, self.config, self.desc, self.provider, self._send_stream, self._is_closed
-            )
-        except Exception as exc:  # the connection ends; the server goes on
-            log.info("kv connection closed: %s", exc)
+        """An authenticated connection (KVListener did the handshake); errors end it."""
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # we gather small writes
+        send, is_closed = self._send_stream, self._is_closed
+        serve_fetches(conn, self.config, self.desc, self.provider, send, is_closed)
 
     def _is_closed(self) -> bool:
         return self._listener.is_closed

@@ -82,16 +82,24 @@ class TransportConfig:
     """What both ends of every transport need."""
 
     secret: bytes  # shared by all instances of a deployment; never sent
-    io_timeout_s: float = 10.0  # the longest a send or receive may stall
+    io_timeout_s: float = 10.0  # the longest a send or receive may stall (a frozen peer)
     transfer_timeout_s: float = 120.0  # the longest a whole fetch (prefill + transfer) may take
     idle_timeout_s: float = 600.0  # a connection with no request for this long is closed
+    handshake_timeout_s: float = 5.0  # the whole connect-time handshake, however it trickles
     max_tokens: int = 1 << 20  # the most tokens a fetch may name
 
     def __post_init__(self) -> None:
         if len(self.secret) < 16:
             raise ValueError("secret: at least 16 bytes (e.g. `openssl rand -hex 32`)")
-        if min(self.io_timeout_s, self.transfer_timeout_s, self.idle_timeout_s) <= 0:
+        timeouts = (self.io_timeout_s, self.transfer_timeout_s, self.idle_timeout_s)
+        if min(*timeouts, self.handshake_timeout_s) <= 0:
             raise ValueError("timeouts: must be > 0")
+
+    @property
+    def heartbeat_s(self) -> float:
+        """How often a prefill side that is still computing says so (a third of the stall
+        timeout: a peer that says nothing for `io_timeout_s` is frozen, not busy)."""
+        return self.io_timeout_s / 3
 
 
 class KVServer(ABC):

@@ -22,10 +22,12 @@ from collections import Counter
 
 from kvabi.abi.block_hash import hash_blocks, root_hash
 from kvabi.abi.buffers import CacheBuffers, owner_layers
-from kvabi.disagg.errors import TransferError
+from kvabi.disagg.errors import RemoteError, TransferError
 from kvabi.disagg.kv_export import export_blocks, layer_blocks
 from kvabi.disagg.kv_inject import fetch_start, inject_blocks, num_held_tokens, stage_payload
 from kvabi.disagg.layer_feed import LayerFeed
+from kvabi.disagg.peer_backoff import PeerBackoff
+from kvabi.disagg.router import NO_PEER
 from kvabi.disagg.settings import DisaggSettings
 from kvabi.disagg.transport import (
     FetchRequest,
@@ -154,6 +156,7 @@ class DecodeRole:
         self.settings, self.engine = settings, engine
         self.clients: dict[str, KVClient] = {}
         self.outcomes: Counter[str] = Counter()
+        self.backoff = PeerBackoff(settings.peer_max_failures, settings.peer_cooldown_s)
         self._connecting = asyncio.Lock()
 
     async def start(self) -> None:
@@ -171,29 +174,44 @@ class DecodeRole:
 
     async def pull(self, peer: str | None, prompt_ids: list[int], params: SamplingParams) -> str:
         """Fetch and place the prompt's KV; returns where it came from (the `X-Kvabi-KV`
-        value): `prefill;tokens=N`, or `local;reason=...` when this instance computes it."""
+        value): `prefill;tokens=N` (N tokens the pool now holds, some fetched), `pool;tokens=N`
+        (the pool already held every block a fetch could bring), or `local;reason=...` when
+        this instance computes it (a failure, a short prompt, no peer, a peer backed off)."""
         address = peer or (self.settings.peers[0] if self.settings.peers else None)
+        if address == NO_PEER:
+            return self._count("local;reason=no-peer")
         if address not in self.settings.peers:
             return self._count(f"local;reason=unknown-peer {address}")
+        if self.backoff.is_skipped(address):
+            return self._count("local;reason=peer-backed-off")
         try:
-            tokens = await self._pull(address, tuple(prompt_ids), params.cache_salt)
+            outcome = await self._pull(address, tuple(prompt_ids), params.cache_salt)
         except (EngineError, asyncio.CancelledError):
             raise
         except Exception as exc:
             log.warning("KV fetch from %s failed, prefilling here: %s", address, exc)
+            if not isinstance(exc, RemoteError):  # the peer answered: it is not what failed
+                self.backoff.failed(address)
             return self._count(f"local;reason={type(exc).__name__}")
-        return self._count(f"prefill;tokens={tokens}")
+        self.backoff.succeeded(address)
+        return self._count(outcome)
 
-    async def _pull(self, address: str, ids: tuple[int, ...], salt: str | None) -> int:
+    async def _pull(self, address: str, ids: tuple[int, ...], salt: str | None) -> str:
         client = await self._client(address)
         held = await self.engine.call(lambda e: num_held_tokens(e, ids, salt))
         own_bs = self.engine.engine.config.block_size
-        start = fetch_start(held, own_bs, client.peer_desc.layout.block_size)
+        peer_bs = client.peer_desc.layout.block_size
+        start = fetch_start(held, own_bs, peer_bs)
+        sent = (len(ids) - start) // peer_bs * peer_bs  # the peer sends whole blocks of its size
+        if start + sent // own_bs * own_bs <= held:  # of which we place whole blocks of ours
+            return f"pool;tokens={held}" if held else "local;reason=short-prompt"
         payload = await asyncio.to_thread(client.fetch, FetchRequest(ids, start, salt))
         desc = self.engine.engine.info.descriptor
         payload = await asyncio.to_thread(stage_payload, payload, desc)  # off the engine thread
         result = await self.engine.call(lambda e: inject_blocks(e, ids, salt, payload))
-        return result.num_cached_tokens
+        if result.num_cached_tokens <= held:
+            return f"pool;tokens={held}" if held else "local;reason=nothing-fetched"
+        return f"prefill;tokens={result.num_cached_tokens}"
 
     async def _client(self, address: str) -> KVClient:
         async with self._connecting:  # one handshake per peer, however many requests wait

@@ -124,10 +124,14 @@ def test_killed_instances_cost_no_request(fleet):
     )
     want = text(colocated(fleet["same"], body))
     assert text(got) == want
-    fleet["prefill"].kill()  # now the decode instance prefills itself
+    fleet["prefill"].kill()
     got = routed([fleet["prefill"]], [fleet["same"]], body | {"max_tokens": 13})
-    assert got.headers["x-kvabi-kv"].startswith("local;reason=")
+    assert got.headers["x-kvabi-kv"].startswith("pool;tokens=")  # it held them: no fetch
     assert text(got).startswith(want)
+    fresh = CHAT | {"messages": [{"role": "user", "content": "a prompt nobody has seen yet"}]}
+    got = routed([fleet["prefill"]], [fleet["same"]], fresh)  # it prefills this one itself
+    assert got.headers["x-kvabi-kv"].startswith("local;reason=")
+    assert text(got) == text(colocated(fleet["same"], fresh))
     assert fleet["same"].free_blocks() == (128, 128)
     fleet["same"].kill()  # no decode instance left, and no prefill: a clear 503
     got = routed([fleet["prefill"]], [fleet["same"]], body)

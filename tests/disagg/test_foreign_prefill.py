@@ -106,7 +106,7 @@ def test_llamacpp_prefill_then_kvabi_decode_equals_llamacpp_and_colocated(deploy
     deployment.llm.eval(ids)
     alone = deployment.llm.detokenize(greedy_tokens(deployment.llm, NUM_NEW)).decode()
     colocated = deployment.complete(ids, "none", "colocated", NUM_NEW)  # not a peer: local
-    assert colocated.headers["x-kvabi-kv"] == "local;reason=unknown-peer none"
+    assert colocated.headers["x-kvabi-kv"] == "local;reason=no-peer"
     text = r.json()["choices"][0]["text"]
     assert text == alone == colocated.json()["choices"][0]["text"]
     assert text.startswith(" 41, 42, 43,")

@@ -25,7 +25,14 @@ from kvabi.disagg.kv_inject import (
 from kvabi.disagg.tcp_transport import TcpTransport
 from kvabi.disagg.transport import FetchRequest, TransportConfig
 from kvabi.wire.errors import ChecksumError
-from tests.disagg.tiny_peers import SECRET, config, engine, greedy, prefill_server
+from tests.disagg.tiny_peers import (
+    SECRET,
+    config,
+    engine,
+    greedy,
+    prefill_provider,
+    prefill_server,
+)
 
 PROMPT = tuple(range(3, 24))  # 21 tokens: 5 blocks of 4 + 1, 2 blocks of 8 + 5
 
@@ -145,3 +152,19 @@ def test_a_prompt_shorter_than_a_block_sends_an_empty_container(prefill):
     payload = connect(server, decode).fetch(FetchRequest(PROMPT[:3]))
     assert (payload.start_token, payload.token_ids, payload.cache.extent) == (0, (), 0)
     assert inject_blocks(decode, PROMPT[:3], None, payload).num_placed_blocks == 0
+
+
+def test_a_peer_that_is_busy_past_the_stall_timeout_is_waited_for():
+    # The prefill side says `wait` every io_timeout/3 until its first layer is ready, so only
+    # a silent (frozen) peer trips the stall timeout; a busy one has the whole transfer timeout.
+    e = engine()
+    provide = prefill_provider(e)
+
+    def slow(request):
+        time.sleep(1.5)
+        return provide(request)
+
+    server = TcpTransport(config()).listen("127.0.0.1:0", e.info.descriptor, slow)
+    client = connect(server, engine(), config(io_timeout_s=0.5))
+    assert client.fetch(FetchRequest(PROMPT)).end_token == 20
+    server.close()
