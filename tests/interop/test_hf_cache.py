@@ -123,7 +123,12 @@ def test_truncated_and_half_precision_import(model: LlamaForCausalLM, spec) -> N
     buffers = dynamic_cache_to_buffers(prefill(model, PROMPT), spec)
     short = buffers_to_dynamic_cache(buffers, model.config, num_tokens=5)
     assert short.get_seq_length() == 5
-    assert torch.equal(short.layers[0].keys, prefill(model, PROMPT[:5]).layers[0].keys)
+    full = prefill(model, PROMPT).layers[0].keys  # [batch, heads, tokens, dim]
+    assert torch.equal(short.layers[0].keys, full[:, :, :5])  # truncation is a slice: exact
+    # A 5-token prefill computes the same keys with a GEMM of another row count, which blocks
+    # (so rounds) differently by shape and CPU kind: equal to fp32 rounding of one projection.
+    alone = prefill(model, PROMPT[:5]).layers[0].keys
+    torch.testing.assert_close(short.layers[0].keys, alone, rtol=1e-5, atol=1e-6)
     half = buffers_to_dynamic_cache(buffers, model.config, dtype=torch.bfloat16)
     assert half.layers[1].values.dtype == torch.bfloat16
 
