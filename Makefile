@@ -7,7 +7,7 @@ LLAMA_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DG
   -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
   -DGGML_AMX_BF16=OFF
 
-.PHONY: run test lint bench clean
+.PHONY: run test soak lint bench clean
 
 .venv/.installed: pyproject.toml
 	python3 -m venv .venv
@@ -27,7 +27,10 @@ run: .venv/.installed
 
 test: .venv/.installed
 	$(PY) -m ruff check kvabi tests
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=15 -m "not soak"
+
+soak: .venv/.installed
+	$(PY) -m pytest -q -m soak
 
 bench: .venv/.installed
 	$(PY) -m kvabi.cli.main bench convert --quick

@@ -6,6 +6,8 @@ hands each step's outputs back to the requests' `RequestHandle`s with
 `loop.call_soon_threadsafe`. After every step the thread publishes an `EngineSnapshot` (blocks,
 queues, cache statistics) that /metrics reads without touching the engine.
 
+Memory: when it goes idle the thread trims the C heap (`HeapTrim`, at most every 10 s).
+
 Progress: the thread notes when the engine last computed a token (or had nothing to do);
 `seconds_without_progress` is how long an engine with work has gone without, whether its
 thread is stuck in a step or its steps schedule nothing. /health reports such an engine.
@@ -14,6 +16,7 @@ thread is stuck in a step or its steps schedule nothing. /health reports such an
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import itertools
 import logging
 import queue
@@ -73,6 +76,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._progress_at = time.monotonic()  # last token computed, or last idle moment
+        self._trim = HeapTrim()
 
     @property
     def num_in_flight(self) -> int:
@@ -144,6 +148,7 @@ class AsyncEngine:
                     self._step()
                 else:
                     self.snapshot = self._snapshot()
+                    self._trim.maybe()  # idle: hand freed heap back to the OS
         except BaseException:
             log.exception("the engine thread died; /health reports it")
             raise
@@ -255,6 +260,25 @@ class AsyncEngine:
     def _ended(self, handle: RequestHandle, outcome: str) -> None:
         if self.observer is not None:
             self.observer.ended(handle, outcome)
+
+
+class HeapTrim:
+    """glibc's `malloc_trim(0)`, at most every `interval_s`: freed chunks that malloc's arenas
+    keep (per-step tensors of many sizes, on several threads) go back to the OS, so RSS tracks
+    what is in use. A no-op where libc has no malloc_trim."""
+
+    def __init__(self, interval_s: float = 10.0) -> None:
+        self.interval_s, self._last = interval_s, 0.0
+        try:
+            self._trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            self._trim = None
+
+    def maybe(self) -> None:
+        now = time.monotonic()
+        if self._trim is not None and now - self._last >= self.interval_s:
+            self._last = now
+            self._trim(0)
 
 
 def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
