@@ -30,6 +30,17 @@ def root_hash(compat_digest: str, extra_keys: Mapping[str, str] | None = None) -
     return hashlib.sha256(ROOT_TAG + digest + _extras_bytes(extra_keys or {})).digest()
 
 
+def request_root(compat_digest: str, cache_salt: str | None = None) -> bytes:
+    """The root of a request's chain: the model's digest and, when given, its `cache_salt`
+    (tenants with different salts never share a block). The one rule every producer of
+    kvabi block hashes follows; an empty salt is refused, not read as "no salt"."""
+    if cache_salt is None:
+        return root_hash(compat_digest)
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise ValueError(f"cache_salt: must be a non-empty string or None, got {cache_salt!r}")
+    return root_hash(compat_digest, {"cache_salt": cache_salt})
+
+
 def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
     """Hash of one block: SHA-256(parent || u32 LE count || each token id as u32 LE)."""
     _check_parent(parent)

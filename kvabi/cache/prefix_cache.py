@@ -10,10 +10,10 @@ always left to compute, because its logits choose the next token.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvabi.abi.block_hash import hash_block, root_hash
+from kvabi.abi.block_hash import hash_block, request_root
 from kvabi.cache.block_pool import BlockKey, BlockPool
 
 
@@ -33,14 +33,13 @@ class PrefixCache:
         self.pool = pool
         self.block_size = block_size
         self.compat_digest = compat_digest
-        self._roots: dict[tuple[tuple[str, str], ...], bytes] = {}
+        self._roots: dict[str | None, bytes] = {}
 
-    def root(self, extra_keys: Mapping[str, str] | None = None) -> bytes:
-        """The chain root for these extra keys (memoised: a handful of tenants, many requests)."""
-        items = tuple(sorted((extra_keys or {}).items()))
-        if items not in self._roots:
-            self._roots[items] = root_hash(self.compat_digest, dict(items))
-        return self._roots[items]
+    def root(self, cache_salt: str | None = None) -> bytes:
+        """A request's chain root (`request_root`; memoised: a few tenants, many requests)."""
+        if cache_salt not in self._roots:
+            self._roots[cache_salt] = request_root(self.compat_digest, cache_salt)
+        return self._roots[cache_salt]
 
     def extend_hashes(self, hashes: list[bytes], root: bytes, token_ids: Sequence[int]) -> None:
         """Append to `hashes` the hashes of the full blocks of `token_ids` it lacks."""

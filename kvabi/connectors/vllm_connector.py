@@ -37,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvabi.abi.block_hash import hash_blocks, root_hash
+from kvabi.abi.block_hash import hash_blocks, request_root
 from kvabi.abi.buffers import CacheBuffers
 from kvabi.abi.convert import convert
 from kvabi.abi.descriptor import Descriptor
@@ -150,12 +150,13 @@ class KvabiConnector(KVConnectorBase_V1):
         return (first + num_blocks) * bs - num_computed_tokens, False
 
     def _keys(self, ids: list[int], salt: str | None) -> list[BlockKey]:
-        """The prompt's full store blocks. The chain's root is the model's digest and the
-        request's cache_salt (tenants with different salts never share a block, as in kvabi's
-        engine)."""
+        """The prompt's full store blocks, chained from `request_root` (the model's digest and
+        the request's cache_salt, as in kvabi's engine). vLLM refuses an empty salt at its API;
+        should one arrive anyway, the request shares nothing (no keys: no load, no save)."""
+        if salt == "":
+            return []
         if salt not in self._roots:
-            extras = {"cache_salt": salt} if salt else None
-            self._roots[salt] = root_hash(self.model.compat_digest(), extras)
+            self._roots[salt] = request_root(self.model.compat_digest(), salt)
         bs = self.store.layout.block_size
         hashes = hash_blocks(ids, bs, self._roots[salt])
         return [BlockKey(h, tuple(ids[i * bs : (i + 1) * bs])) for i, h in enumerate(hashes)]

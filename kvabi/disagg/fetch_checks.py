@@ -7,7 +7,7 @@ from __future__ import annotations
 import socket
 import time
 
-from kvabi.abi.block_hash import hash_blocks, root_hash
+from kvabi.abi.block_hash import hash_blocks, request_root
 from kvabi.abi.descriptor import Descriptor
 from kvabi.disagg.errors import (
     MessageTooLargeError,
@@ -34,8 +34,8 @@ def parse_fetch(msg: dict, max_tokens: int, block_size: int) -> FetchRequest:
         raise TransferError(f"fetch: start_token {start!r} outside the prompt")
     if start % block_size:
         raise TransferError(f"fetch: start_token {start} is not at a block boundary")
-    if salt is not None and not isinstance(salt, str):
-        raise TransferError("fetch: cache_salt must be a string")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise TransferError("fetch: cache_salt must be a non-empty string or absent")
     return FetchRequest(tuple(ids), start, salt)
 
 
@@ -92,8 +92,7 @@ def ask_kv(
 def prompt_hashes(own: Descriptor, block_size: int, request: FetchRequest) -> list[bytes]:
     """Our hashes (model digest and salt) of the prompt's blocks of `block_size` tokens, from
     `request.start_token` on."""
-    salt = None if request.cache_salt is None else {"cache_salt": request.cache_salt}
-    root = root_hash(own.model.compat_digest(), salt)
+    root = request_root(own.model.compat_digest(), request.cache_salt)
     return hash_blocks(request.token_ids, block_size, root)[request.start_token // block_size :]
 
 

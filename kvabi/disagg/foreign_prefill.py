@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from kvabi.abi.block_hash import hash_blocks, root_hash
+from kvabi.abi.block_hash import hash_blocks, request_root
 from kvabi.abi.buffers import CacheBuffers, buffer_specs
 from kvabi.abi.convert import convert
 from kvabi.abi.descriptor import Descriptor, ModelSpec
@@ -54,8 +54,9 @@ def foreign_payload(request: FetchRequest, desc: Descriptor, prefill: PrefillFn)
         return KVPayload(first * bs, (), (), CacheBuffers.empty(desc, 0))
     native = prefill(ids[:end])  # the engine's own layout, tokens 0 .. end - 1
     paged = convert(native, desc, num_tokens=end)  # [end / bs] blocks of desc's layout
-    salt = None if request.cache_salt is None else {"cache_salt": request.cache_salt}
-    hashes = hash_blocks(ids[:end], bs, root_hash(desc.model.compat_digest(), salt))
+    hashes = hash_blocks(
+        ids[:end], bs, request_root(desc.model.compat_digest(), request.cache_salt)
+    )
     tokens = tuple(ids[first * bs : end])
     return KVPayload(first * bs, tokens, tuple(hashes[first:]), blocks_from(paged, first))
 

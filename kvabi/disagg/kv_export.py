@@ -25,8 +25,7 @@ def export_blocks(engine: LLMEngine, request: FetchRequest) -> KVPayload:
     if engine.prefix is None:
         raise ValueError("prefill role: the engine needs its prefix cache to export blocks")
     bs = engine.config.block_size
-    salt = None if request.cache_salt is None else {"cache_salt": request.cache_salt}
-    hashes = hash_blocks(request.token_ids, bs, engine.prefix.root(salt))
+    hashes = hash_blocks(request.token_ids, bs, engine.prefix.root(request.cache_salt))
     first = request.start_token // bs
     num_blocks = max(engine.prefix.num_pooled(hashes) - first, 0)
     block_ids = [engine.pool.cached_block(h) for h in hashes[first : first + num_blocks]]

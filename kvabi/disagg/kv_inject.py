@@ -73,7 +73,7 @@ def _place(engine: LLMEngine, payload: KVPayload, keys: list[BlockKey], pooled: 
 
 
 def _hashes(engine: LLMEngine, token_ids: tuple[int, ...], salt: str | None) -> list[bytes]:
-    root = engine.prefix.root(None if salt is None else {"cache_salt": salt})
+    root = engine.prefix.root(salt)
     return hash_blocks(token_ids, engine.config.block_size, root)
 
 

@@ -156,8 +156,7 @@ class Scheduler:
         if self.prefix is None:
             raise ValueError("block hashes need the prefix cache (enable_prefix_caching)")
         if seq.hash_root is None:
-            salt = seq.params.cache_salt
-            seq.hash_root = self.prefix.root(None if salt is None else {"cache_salt": salt})
+            seq.hash_root = self.prefix.root(seq.params.cache_salt)
         tokens = seq.token_ids()
         if len(seq.block_hashes) < len(tokens) // self.block_size:
             self.prefix.extend_hashes(seq.block_hashes, seq.hash_root, tokens)

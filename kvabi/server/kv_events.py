@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
-from kvabi.abi.block_hash import root_hash
+from kvabi.abi.block_hash import request_root
 from kvabi.cache.block_events import BlockEventLog
 from kvabi.disagg.kv_event_publisher import KVEventPublisher
 from kvabi.engine.engine import LLMEngine
@@ -64,8 +64,7 @@ async def _tokenize(
     prepared = prepare(req, engine)
     if engine.prefix is None:
         raise APIError(404, "this instance has no prefix cache", code="no_prefix_cache")
-    salt = prepared.params.cache_salt
-    root = root_hash(engine.prefix.compat_digest, None if salt is None else {"cache_salt": salt})
+    root = request_root(engine.prefix.compat_digest, prepared.params.cache_salt)  # pure
     body = {
         "token_ids": prepared.prompt_ids,
         "hash_root": root.hex(),

@@ -20,7 +20,7 @@ import logging
 import threading
 from collections import Counter
 
-from kvabi.abi.block_hash import hash_blocks, root_hash
+from kvabi.abi.block_hash import hash_blocks, request_root
 from kvabi.abi.buffers import CacheBuffers, owner_layers
 from kvabi.disagg.errors import RemoteError, TransferError
 from kvabi.disagg.kv_export import export_blocks, layer_blocks
@@ -102,7 +102,7 @@ class PrefillRole:
         blocks = slice(request.start_token // bs, len(ids) // bs)
         if blocks.start >= blocks.stop:
             return KVPayload(request.start_token, (), (), CacheBuffers.empty(desc, 0))
-        root = root_hash(desc.model.compat_digest(), None if salt is None else {"cache_salt": salt})
+        root = request_root(desc.model.compat_digest(), salt)
         hashes = hash_blocks(ids, bs, root)[blocks]
         feed = LayerFeed(owner_layers(desc), self.settings.transfer_timeout_s)
         future = asyncio.run_coroutine_threadsafe(self._stream(ids, salt, feed, blocks), self._loop)

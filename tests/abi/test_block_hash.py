@@ -162,3 +162,13 @@ def test_identical_in_a_fresh_process_with_another_hash_seed() -> None:
     ).stdout.strip()
     here = hash_blocks(list(range(40)), 8, root_hash(DIGEST, EXTRAS))
     assert out.split(",") == [h.hex() for h in here]
+
+
+def test_a_requests_root_is_the_one_salt_rule():
+    from kvabi.abi.block_hash import request_root
+
+    digest = "0123456789abcdef0123456789abcdef"
+    assert request_root(digest) == request_root(digest, None) == root_hash(digest)
+    assert request_root(digest, "t") == root_hash(digest, {"cache_salt": "t"}) != root_hash(digest)
+    with pytest.raises(ValueError, match="^cache_salt: must be a non-empty string"):
+        request_root(digest, "")  # before: its own tenant in the engine, none in the connector

@@ -9,7 +9,7 @@ TOKENS = list(range(100, 110))  # 10 tokens: 2 full blocks of 4 and a partial on
 def cache_with_chain(tokens, salt=None, num_blocks=8):
     """A pool whose blocks 0, 1, ... hold the full blocks of `tokens`, all free and cached."""
     prefix = PrefixCache(BlockPool(num_blocks), 4, DIGEST)
-    root = prefix.root(None if salt is None else {"cache_salt": salt})
+    root = prefix.root(salt)
     hashes: list[bytes] = []
     prefix.extend_hashes(hashes, root, tokens)
     ids = prefix.pool.allocate(len(hashes))
@@ -26,9 +26,9 @@ def hashes_of(prefix, root, tokens):
 
 def test_hashes_are_the_abi_chain_and_extend_incrementally():
     prefix = PrefixCache(BlockPool(1), 4, DIGEST)
-    root = prefix.root({"cache_salt": "tenant-a"})
+    root = prefix.root("tenant-a")
     assert root == root_hash(DIGEST, {"cache_salt": "tenant-a"})
-    assert prefix.root({"cache_salt": "tenant-a"}) is root  # memoised
+    assert prefix.root("tenant-a") is root  # memoised
     hashes: list[bytes] = []
     prefix.extend_hashes(hashes, root, TOKENS[:5])
     assert len(hashes) == 1
@@ -59,8 +59,8 @@ def test_a_fully_cached_prompt_leaves_its_last_token_to_compute():
 def test_a_cache_salt_changes_every_hash_so_tenants_never_share():
     prefix, root = cache_with_chain(TOKENS, salt="tenant-a")
     plain = hashes_of(prefix, prefix.root(), TOKENS)
-    other = hashes_of(prefix, prefix.root({"cache_salt": "tenant-b"}), TOKENS)
-    same = hashes_of(prefix, prefix.root({"cache_salt": "tenant-a"}), TOKENS)
+    other = hashes_of(prefix, prefix.root("tenant-b"), TOKENS)
+    same = hashes_of(prefix, prefix.root("tenant-a"), TOKENS)
     assert prefix.match(plain, 10) == NO_MATCH and prefix.match(other, 10) == NO_MATCH
     assert prefix.match(same, 10) == MatchResult(8, (0, 1))
     assert not set(plain) & set(same)
