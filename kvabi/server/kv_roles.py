@@ -193,7 +193,8 @@ class DecodeRole:
             if not isinstance(exc, RemoteError):  # the peer answered: it is not what failed
                 self.backoff.failed(address)
             return self._count(f"local;reason={type(exc).__name__}")
-        self.backoff.succeeded(address)
+        if outcome.startswith("prefill;"):  # the peer delivered (else it was not asked)
+            self.backoff.succeeded(address)
         return self._count(outcome)
 
     async def _pull(self, address: str, ids: tuple[int, ...], salt: str | None) -> str:
