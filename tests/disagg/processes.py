@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -11,6 +10,7 @@ import httpx
 
 from kvabi.disagg.router import PrefillTarget, RouterConfig, create_router_app
 from kvabi.server.launch import ServerProcess, free_port
+from tests.server.tiny_server import free_blocks
 
 T = TypeVar("T")
 SECRET = "disagg-test-secret-0123456789"
@@ -61,9 +61,7 @@ class Instance:
 
     def free_blocks(self) -> tuple[float, float]:
         """(free, total) blocks of its pool, from /metrics."""
-        text = httpx.get(f"{self.url}/metrics").text
-        get = lambda name: float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))  # noqa: E731
-        return get("kvabi_kv_blocks_free"), get("kvabi_kv_blocks_total")
+        return free_blocks(self.url)
 
 
 _TAKEN: set[int] = set()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import re
 import time
 from collections import Counter
 
@@ -17,6 +16,7 @@ import pytest
 
 from kvabi.server.launch import ServerProcess
 from tests.conftest import bundled_gguf_path
+from tests.server.tiny_server import free_blocks
 
 pytestmark = pytest.mark.soak
 NUM_CLIENTS = 64
@@ -74,12 +74,6 @@ async def _round(base: str, seconds: float, seed: int) -> Counter:
     return seen
 
 
-def _free_blocks(url: str) -> tuple[float, float]:
-    text = httpx.get(url + "/metrics").text
-    get = lambda n: float(re.search(rf"^{n} (\S+)$", text, re.M).group(1))  # noqa: E731
-    return get("kvabi_kv_blocks_free"), get("kvabi_kv_blocks_total")
-
-
 def test_64_streaming_clients_for_minutes_fail_no_good_request_and_leak_nothing():
     bundled_gguf_path()  # skips without the bundled model
     with ServerProcess(["--max-queued", "64"], startup_timeout_s=300) as server:
@@ -89,7 +83,7 @@ def test_64_streaming_clients_for_minutes_fail_no_good_request_and_leak_nothing(
             seen = asyncio.run(_round(server.base_url, WARM_UP_S if r == 0 else ROUND_S, r))
             time.sleep(1.5)  # idle: the engine trims its heap
             assert seen["good"] > 0 and seen["good_failed"] == 0 and seen["bad_other"] == 0, seen
-            free, total = _free_blocks(server.url)
+            free, total = free_blocks(server.url)
             assert free == total, (r, free, total)
             assert httpx.get(server.url + "/health").status_code == 200
             rss.append(_rss_mb(pid))

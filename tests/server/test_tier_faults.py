@@ -10,13 +10,7 @@ import redis
 
 from kvabi.server.launch import ServerProcess
 from tests.cache.redis_server import redis_server  # noqa: F401 - a fixture
-from tests.server.tiny_server import MODEL, tiny_folder
-
-
-def _free_blocks(url: str) -> tuple[float, float]:
-    text = httpx.get(url + "/metrics").text
-    get = lambda n: float(re.search(rf"^{n} (\S+)$", text, re.M).group(1))  # noqa: E731
-    return get("kvabi_kv_blocks_free"), get("kvabi_kv_blocks_total")
+from tests.server.tiny_server import MODEL, free_blocks, tiny_folder
 
 
 def test_a_bad_redis_value_costs_a_served_request_nothing(tmp_path, redis_server):  # noqa: F811
@@ -36,7 +30,7 @@ def test_a_bad_redis_value_costs_a_served_request_nothing(tmp_path, redis_server
             got = [complete(p) for p in prompts]
             assert [r.status_code for r in got] == [200] * 3
             assert [r.json()["choices"][0]["text"] for r in got] == want
-            assert _free_blocks(server.url) == (24, 24)
+            assert free_blocks(server.url) == (24, 24)
             assert httpx.get(f"{server.url}/health").status_code == 200
         metrics = httpx.get(f"{server.url}/metrics").text
         assert float(re.search(r"^kvabi_cache_tier_redis_failures (\S+)$", metrics, re.M)[1]) > 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
@@ -67,3 +68,10 @@ def sse_events(body: str) -> list[dict | str]:
     """A streamed body's events: parsed JSON, and the final "[DONE]" as the string."""
     events = [line[len("data: ") :] for line in body.split("\n\n") if line.startswith("data: ")]
     return [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+def free_blocks(url: str) -> tuple[float, float]:
+    """(free, total) blocks of a running server's pool, from its /metrics."""
+    text = httpx.get(f"{url}/metrics").text
+    get = lambda name: float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))  # noqa: E731
+    return get("kvabi_kv_blocks_free"), get("kvabi_kv_blocks_total")
