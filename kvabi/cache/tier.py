@@ -117,9 +117,6 @@ class KVTier(ABC):
         except Exception as exc:
             self._failed(exc)
             return absent
-        if isinstance(absent, list) and len(result) != len(absent):  # type: ignore[arg-type]
-            self._failed(ValueError(f"answered {len(result)} of {len(absent)} entries"))
-            return absent
         return result
 
     def _failed(self, exc: Exception) -> None:
