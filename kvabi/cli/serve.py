@@ -6,6 +6,10 @@ import argparse
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvabi.cache.tier_config import TierConfig
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -106,7 +110,7 @@ def disagg_settings(args: argparse.Namespace) -> object | None:
     )
 
 
-def tier_config(args: argparse.Namespace) -> object:
+def tier_config(args: argparse.Namespace) -> TierConfig:
     """The TierConfig the tier flags describe."""
     from kvabi.cache.tier_config import TierConfig
 

@@ -250,6 +250,10 @@ class LLMEngine:
         block_bytes = self.storage.buffers.num_bytes // self.storage.num_blocks
         return flat_stats(self.stats, self.pool, block_bytes, tiers, writer)
 
+    def cache_tags(self) -> tuple[str, ...]:
+        """The request tags whose `tag_<tag>_*` figures `cache_stats()` holds."""
+        return tuple(self.stats.tags)
+
     def reset_prefix_cache(self) -> int:
         """Forget the pool's unreferenced cached blocks (lower tiers keep theirs); return how
         many were dropped."""

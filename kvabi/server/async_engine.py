@@ -221,7 +221,7 @@ class AsyncEngine:
             num_preemptions=getattr(scheduler, "num_preemptions", 0),
             cache_stats=dict(stats()) if callable(stats) else {},
             has_work=self.engine.has_unfinished(),
-            cache_tags=tuple(getattr(getattr(self.engine, "stats", None), "tags", ())),
+            cache_tags=self.engine.cache_tags(),
         )
 
     def _call_soon(self, fn: Callable[..., None], *args: object) -> None:
