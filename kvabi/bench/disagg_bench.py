@@ -27,7 +27,7 @@ from kvabi.abi.descriptor import Descriptor
 from kvabi.abi.presets import preset_descriptor
 from kvabi.bench.report import print_table, write_json
 from kvabi.bench.transfer_peer import make_transport, token_ids
-from kvabi.disagg.kv_inject import stage_payload
+from kvabi.disagg.kv_staging import stage_payload
 from kvabi.disagg.nixl_memory import is_nixl_available
 from kvabi.disagg.transport import FetchRequest
 

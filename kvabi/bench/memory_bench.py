@@ -98,9 +98,7 @@ def run(quick: bool, json_path: str | None) -> dict:
 
 
 def _figures(t: Tally, engine: LLMEngine, mix: Mix, seconds: float) -> dict:
-    per_token = engine.storage.buffers.num_bytes // (
-        engine.info.num_blocks * engine.config.block_size
-    )
+    per_token = engine.cache.block_bytes // engine.cache.block_size
     return {
         "requests": mix.num_requests,
         "steps": t.steps,

@@ -18,8 +18,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvabi.abi.block_hash import hash_blocks, root_hash
-from kvabi.cache.block_pool import BlockPool
-from kvabi.cache.prefix_cache import PrefixCache
+from kvabi.abi.descriptor import ATTN, LayerSpec, ModelSpec
+from kvabi.abi.presets import preset_descriptor
+from kvabi.cache.kv_cache import KVCache
 from kvabi.engine.sampling_params import SamplingParams
 from kvabi.engine.scheduler import Scheduler, SchedulerConfig
 from kvabi.engine.sequence import Sequence as Seq
@@ -106,10 +107,10 @@ def replay_hit_rate(
     prompts: Sequence[Sequence[int]], num_blocks: int, block_size: int, max_tokens: int
 ) -> float:
     """The hit rate of a pool of `num_blocks` on the trace, one request at a time, no model."""
-    pool = BlockPool(num_blocks)
-    prefix = PrefixCache(pool, block_size, DIGEST)
+    layer = LayerSpec(ATTN, 1, 1, 1)  # the replay needs ids and hashes, hardly any storage
+    desc = preset_descriptor("vllm-flash-attn", ModelSpec((layer,), DIGEST), block_size, "f32")
     config = SchedulerConfig(max_num_batched_tokens=max(len(p) for p in prompts) + max_tokens)
-    sched = Scheduler(config, pool, block_size, prefix)
+    sched = Scheduler(config, KVCache(desc, num_blocks))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         seq = Seq(i, f"r{i}", 0, list(prompt), params, arrival=i)

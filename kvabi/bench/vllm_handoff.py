@@ -30,7 +30,7 @@ from kvabi.abi.convert import convert
 from kvabi.abi.descriptor import Descriptor
 from kvabi.abi.presets import preset_descriptor
 from kvabi.cache.block_codec import BlockCodec
-from kvabi.cache.block_pool import BlockKey
+from kvabi.cache.block_hasher import BlockKey
 from kvabi.cache.disk_tier import DiskTier
 from kvabi.cache.tier_config import TierConfig
 from kvabi.engine.engine import KV_LAYOUTS, model_spec
@@ -83,12 +83,8 @@ def kvabi_export(h: Handoff, path: Path) -> list[int]:
     engine's own greedy tokens."""
     llm = h.engine()
     tokens = h.greedy(llm)
-    engine = llm.engine
-    hashes = hash_blocks(h.prompt_ids, BLOCK_SIZE, _root(engine.info.descriptor))
-    match = engine.prefix.match(hashes, len(hashes) * BLOCK_SIZE + 1)  # every full block
-    blocks = engine.storage.read_blocks(list(match.block_ids))
-    num_blocks = len(match.block_ids)
-    write_container(path, blocks, h.prompt_ids[: num_blocks * BLOCK_SIZE], hashes[:num_blocks])
+    blocks = llm.engine.cache.export(h.prompt_ids, None)  # every pooled full block
+    write_container(path, blocks.cache, blocks.token_ids, blocks.block_hashes)
     return tokens
 
 

@@ -15,7 +15,7 @@ import torch
 
 from kvabi.abi.buffers import CacheBuffers, buffer_specs
 from kvabi.abi.descriptor import Descriptor
-from kvabi.cache.block_pool import BlockKey
+from kvabi.cache.block_hasher import BlockKey
 from kvabi.wire import FormatError, container_bytes, read_container
 
 

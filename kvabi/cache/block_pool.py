@@ -11,8 +11,8 @@ Eviction order, which `allocate` follows and the tests pin:
    a chain the tail goes before its head (a tail is reachable only through its head). `demote`
    moves blocks to the front of this queue (an idle session's blocks go first).
 Taking a cached block out of the queue to reuse its memory evicts it: its hash leaves the index
-and, when `record_evictions` is on, it is reported by `pop_evicted` so the caller can write its
-data down a tier before anything overwrites it.
+and, given a `write_down` hook, `allocate` hands the evicted blocks to it before it returns, so
+their data goes down a tier before any caller can overwrite it (no caller can skip that).
 
 Given a `BlockEventSink` (`events`), the pool tells it of every change to its index: a block
 registered under its hash (with its parent hash and tokens), a cached block evicted or dropped,
@@ -22,53 +22,36 @@ the index emptied (kvabi/cache/block_events.py; KV events for prefix-aware route
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
 
 from kvabi.cache.block_events import BlockEventSink
+from kvabi.cache.block_hasher import BlockKey
+
+WriteDown = Callable[[list[int], list[BlockKey]], None]  # evicted block ids, their keys
 
 
 class NoFreeBlocksError(RuntimeError):
     """Raised when an allocation asks for more blocks than are free (callers check first)."""
 
 
-@dataclass(frozen=True)
-class BlockKey:
-    """What a cached block holds: its chained block hash and its own tokens; `parent_hash`,
-    the hash it chains from (None for a chain's first block, or unknown), is only reported."""
-
-    block_hash: bytes
-    token_ids: tuple[int, ...]
-    parent_hash: bytes | None = field(default=None, compare=False, repr=False)
-
-
-@dataclass(frozen=True)
-class EvictedBlock:
-    """A cached block whose memory was taken for reuse; its data is intact until the next step."""
-
-    block_id: int
-    key: BlockKey
-
-
 class BlockPool:
     def __init__(
         self,
         num_blocks: int,
-        record_evictions: bool = False,
         events: BlockEventSink | None = None,
+        write_down: WriteDown | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.record_evictions = record_evictions
-        self.events = events  # told of each change to the index (a server may set it later)
+        self.events = events  # told of each change to the index
+        self.write_down = write_down  # given each allocation's evicted blocks, in order
         self.ref_counts = [0] * num_blocks
         self.keys: list[BlockKey | None] = [None] * num_blocks  # set while a block is cached
         self.num_evictions = 0
         self._by_hash: dict[bytes, int] = {}
         self._empty: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: OrderedDict[int, None] = OrderedDict()  # free cached blocks, LRU first
-        self._evicted: list[EvictedBlock] = []
 
     @property
     def num_free(self) -> int:
@@ -90,13 +73,17 @@ class BlockPool:
         """Take `n` free blocks (ref count 1 each) in eviction order; cached ones are evicted."""
         if n > self.num_free:
             raise NoFreeBlocksError(f"asked for {n} blocks, {self.num_free} free")
-        ids = []
+        ids, evicted = [], []
         for _ in range(n):
             queue = self._empty if self._empty else self._cached
             block_id, _ = queue.popitem(last=False)
-            self._evict(block_id)
+            key = self._evict(block_id)
+            if key is not None:
+                evicted.append((block_id, key))
             self.ref_counts[block_id] = 1
             ids.append(block_id)
+        if evicted and self.write_down is not None:  # their data is intact until we return
+            self.write_down([i for i, _ in evicted], [k for _, k in evicted])
         return ids
 
     def share(self, block_ids: Iterable[int]) -> None:
@@ -156,11 +143,6 @@ class BlockPool:
             if i in self._cached:
                 self._cached.move_to_end(i, last=False)
 
-    def pop_evicted(self) -> list[EvictedBlock]:
-        """The cached blocks evicted since the last call, in eviction order."""
-        evicted, self._evicted = self._evicted, []
-        return evicted
-
     def drop_cached(self) -> int:
         """Forget every free cached block (they become empty); return how many."""
         dropped = list(self._cached)
@@ -177,14 +159,14 @@ class BlockPool:
             self.events.cleared()
         return len(dropped)
 
-    def _evict(self, block_id: int) -> None:
+    def _evict(self, block_id: int) -> BlockKey | None:
+        """Take a cached block's hash out of the index; return its key (None: it was empty)."""
         key = self.keys[block_id]
         if key is None:
-            return
+            return None
         del self._by_hash[key.block_hash]
         self.keys[block_id] = None
         self.num_evictions += 1
         if self.events is not None:
             self.events.removed(key.block_hash)
-        if self.record_evictions:
-            self._evicted.append(EvictedBlock(block_id, key))
+        return key

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from kvabi.abi.buffers import CacheBuffers
 from kvabi.cache.block_codec import BlockCodec
-from kvabi.cache.block_pool import BlockKey
+from kvabi.cache.block_hasher import BlockKey
 from kvabi.cache.tier import KVTier
 
 _STOP = None

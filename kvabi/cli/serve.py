@@ -151,6 +151,7 @@ def banner(model: str, host: str, port: int, has_key: bool) -> str:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvabi.engine.llm import LLM
+    from kvabi.server.kv_roles import server_hooks
     from kvabi.server.launch import run_server
     from kvabi.server.settings import ServerSettings
 
@@ -178,6 +179,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         num_blocks=args.num_blocks,
         tiers=tier_config(args),
+        hooks=server_hooks(settings, disagg),
     )
     run_server(llm.engine, settings, args.host, args.port, args.log_level, disagg)
     return 0

@@ -24,7 +24,6 @@ step output; the scheduler side writes them down.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,23 +36,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvabi.abi.block_hash import hash_blocks, request_root
 from kvabi.abi.buffers import CacheBuffers
 from kvabi.abi.convert import convert
 from kvabi.abi.descriptor import Descriptor
-from kvabi.abi.errors import KvabiError
 from kvabi.cache.block_codec import BlockCodec, stack_blocks
-from kvabi.cache.block_pool import BlockKey
-from kvabi.cache.tier import KVTier
+from kvabi.cache.block_hasher import BlockHasher, BlockKey
 from kvabi.cache.tier_config import TierConfig
+from kvabi.cache.tiered_cache import TieredCache
 from kvabi.interop.vllm_cache import (
     check_block_ids,
     kv_caches_to_buffers,
     store_ratio,
     write_sequence,
 )
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -120,12 +115,11 @@ class KvabiConnector(KVConnectorBase_V1):
         self.model, self.codec = self.store.model, BlockCodec(self.store)
         self.block_size = vllm_config.cache_config.block_size
         self.ratio = store_ratio(self.block_size, self.store)
-        self._roots: dict[str | None, bytes] = {}  # per cache_salt
-        self.tiers: list[KVTier] = []
+        self.hasher = BlockHasher(self.model.compat_digest(), self.store.layout.block_size)
+        self.tiers = TieredCache(self.store, [])  # the worker side touches no tier
         if role == KVConnectorRole.SCHEDULER:
             config = TierConfig(disk_dir=extra.get("disk_dir"), redis_url=extra.get("redis_url"))
-            self.tiers = config.build(self.model.compat_digest())
-        self._down: set[str] = set()  # tiers reported down (warned once per outage)
+            self.tiers = TieredCache(self.store, config.build(self.model.compat_digest()))
         self._requests: dict[str, _Request] = {}
         self._matched: dict[str, list[CacheBuffers]] = {}  # blocks found, waiting for vLLM's
         self._loads: list[Load] = []
@@ -150,51 +144,22 @@ class KvabiConnector(KVConnectorBase_V1):
         return (first + num_blocks) * bs - num_computed_tokens, False
 
     def _keys(self, ids: list[int], salt: str | None) -> list[BlockKey]:
-        """The prompt's full store blocks, chained from `request_root` (the model's digest and
-        the request's cache_salt, as in kvabi's engine). vLLM refuses an empty salt at its API;
-        should one arrive anyway, the request shares nothing (no keys: no load, no save)."""
-        if salt == "":
+        """The prompt's full store blocks, hashed as kvabi's engine hashes them. vLLM refuses
+        an empty salt at its API; should one arrive anyway, the hasher refuses it and the
+        request shares nothing (no keys: no load, no save)."""
+        try:
+            return self.hasher.keys(ids, salt)
+        except ValueError:
             return []
-        if salt not in self._roots:
-            self._roots[salt] = request_root(self.model.compat_digest(), salt)
-        bs = self.store.layout.block_size
-        hashes = hash_blocks(ids, bs, self._roots[salt])
-        return [BlockKey(h, tuple(ids[i * bs : (i + 1) * bs])) for i, h in enumerate(hashes)]
 
     def _fetch(self, keys: list[BlockKey]) -> list[CacheBuffers]:
-        """The verified blocks of the longest leading run of `keys` that some tier holds."""
-        start, found = time.perf_counter(), []
-        for key in keys:
-            entry = self._entry(key)
-            if entry is None:
-                break
-            found.append(entry)
+        """The verified blocks of the longest leading run of `keys` that some tier holds (a
+        bad or foreign entry is removed and ends the run; a tier that is down is a miss)."""
+        start = time.perf_counter()
+        found = self.tiers.fetch(keys)
         self.stats.fetch_s += time.perf_counter() - start
         self.stats.num_fetched += len(found)
         return found
-
-    def _entry(self, key: BlockKey) -> CacheBuffers | None:
-        """The block of the first tier's entry that verifies; a bad entry is removed (and
-        recomputed). The block views a private copy of the entry's bytes."""
-        for tier in self.tiers:
-            data = tier.get_many([key.block_hash])[0]
-            self._check_up(tier)
-            if data is None:
-                continue
-            try:
-                return self.codec.decode(bytearray(data), key)  # checksums, model, hash, tokens
-            except KvabiError as exc:  # never a load
-                log.warning("kvabi: %s entry %s refused: %s", tier.name, key.block_hash.hex(), exc)
-                tier.remove(key.block_hash)
-        return None
-
-    def _check_up(self, tier: KVTier) -> None:
-        """Warn once when a tier goes down (it then answers "absent": vLLM recomputes)."""
-        if tier.is_down and tier.name not in self._down:
-            log.warning("kvabi: tier %s is down; its blocks are misses until it is back", tier.name)
-            self._down.add(tier.name)
-        elif not tier.is_down:
-            self._down.discard(tier.name)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
         found = self._matched.pop(request.request_id, [])
@@ -240,9 +205,8 @@ class KvabiConnector(KVConnectorBase_V1):
         if isinstance(meta, KvabiWorkerMetadata):
             start = time.perf_counter()
             for block_hash, entry in meta.entries:
-                for tier in self.tiers:
+                for tier in self.tiers.tiers:
                     tier.put(block_hash, entry)
-                    self._check_up(tier)
             self.stats.write_s += time.perf_counter() - start
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:

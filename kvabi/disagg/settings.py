@@ -45,6 +45,10 @@ class DisaggSettings:
         """What the transport needs of these settings."""
         return TransportConfig(self.secret, self.io_timeout_s, self.transfer_timeout_s)
 
+    @property
+    def transport_type(self) -> type[Transport]:
+        return TRANSPORTS[self.transport]
+
     def make_transport(self) -> Transport:
         """The named transport over these settings."""
-        return TRANSPORTS[self.transport](self.transport_config())
+        return self.transport_type(self.transport_config())

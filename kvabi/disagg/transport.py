@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvabi.abi.buffers import CacheBuffers, owner_layers
+from kvabi.abi.buffers import owner_layers
 from kvabi.abi.descriptor import Descriptor
+from kvabi.cache.kv_cache import KVPayload
 from kvabi.wire.container_format import extent_for
 from kvabi.wire.container_writer import layer_tensors
 
@@ -31,22 +32,6 @@ class FetchRequest:
     token_ids: tuple[int, ...]
     start_token: int = 0
     cache_salt: str | None = None
-
-
-@dataclass(frozen=True)
-class KVPayload:
-    """Blocks of a prompt's KV: tokens `start_token .. start_token + len(token_ids) - 1` in
-    the sender's layout (`cache.extent` blocks), with the sender's block hashes of them."""
-
-    start_token: int
-    token_ids: tuple[int, ...]
-    block_hashes: tuple[bytes, ...]
-    cache: CacheBuffers
-
-    @property
-    def end_token(self) -> int:
-        """One past the last token whose KV the payload holds."""
-        return self.start_token + len(self.token_ids)
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,9 @@ import torch
 from kvabi.abi.buffers import buffer_specs
 from kvabi.abi.descriptor import ATTN, Descriptor, LayerSpec, ModelSpec
 from kvabi.abi.presets import PRESETS, preset_descriptor
-from kvabi.cache.block_pool import BlockPool
-from kvabi.cache.cache_stats import CacheStats, flat_stats
-from kvabi.cache.kv_storage import KVStorage
-from kvabi.cache.prefix_cache import PrefixCache
+from kvabi.cache.block_events import BlockEventSink
+from kvabi.cache.kv_cache import KVCache
 from kvabi.cache.tier_config import TierConfig
-from kvabi.cache.tiered_cache import TieredCache
 from kvabi.engine.fused_decode import FusedDecode
 from kvabi.engine.outputs import RequestOutput, request_output
 from kvabi.engine.paged_attention import PagedAttention
@@ -40,7 +37,8 @@ from kvabi.models.registry import LoadedModel
 
 log = logging.getLogger("kvabi.engine")
 KV_LAYOUTS = {"nhd": "vllm-flash-attn", "hnd": "vllm-flash-attn-hnd"}
-PromptLayerHook = Callable[[int, tuple[Sequence, ...]], None]  # (layer_id, prompts completed)
+# (the cache, layer_id, the sequences whose prompt this step completes)
+PromptLayerHook = Callable[[KVCache, int, tuple[Sequence, ...]], None]
 
 
 @dataclass(frozen=True)
@@ -70,6 +68,17 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class EngineHooks:
+    """Callbacks fixed when the engine is built (a server's prefill role and KV events)."""
+
+    # Called on the engine thread once a layer's K/V of a step are stored, with the sequences
+    # whose prompt that step completes (a prefill instance sends a prompt's KV layer by
+    # layer: kvabi/server/kv_roles.py). It must not raise.
+    on_prompt_layer: PromptLayerHook | None = None
+    block_events: BlockEventSink | None = None  # told of each change to the cached blocks
+
+
+@dataclass(frozen=True)
 class EngineInfo:
     """What the engine found at start-up (never written back into the config)."""
 
@@ -87,40 +96,35 @@ def model_spec(loaded: LoadedModel, fingerprint: str) -> ModelSpec:
 
 class LLMEngine:
     def __init__(
-        self, loaded: LoadedModel, config: EngineConfig = EngineConfig(), fingerprint: str = ""
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig = EngineConfig(),
+        fingerprint: str = "",
+        hooks: EngineHooks = EngineHooks(),
     ) -> None:
         self.loaded, self.config, self.tokenizer = loaded, config, loaded.tokenizer
+        self.hooks = hooks
         self.info = self._start(loaded, config, fingerprint)
-        self.storage = KVStorage(self.info.descriptor, self.info.num_blocks)
-        self.pool = BlockPool(self.info.num_blocks, record_evictions=config.tiers.is_enabled)
-        self.stats = CacheStats()
-        self.prefix = None
-        if config.enable_prefix_caching:
-            digest = self.info.descriptor.model.compat_digest()
-            self.prefix = PrefixCache(self.pool, config.block_size, digest)
-        self.tiers = None
-        if config.tiers.is_enabled:
-            self.tiers = TieredCache.build(config.tiers, self.prefix, self.storage)
+        self.cache = KVCache(
+            self.info.descriptor,
+            self.info.num_blocks,
+            config.enable_prefix_caching,
+            config.tiers,
+            hooks.block_events,
+        )
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
-            self.pool,
-            config.block_size,
-            self.prefix,
-            self.stats,
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.cache
         )
         self._sessions: dict[str, int] = {}  # live requests per session
-        attention = PagedAttention(self.storage, config.attention_backend)
-        kernels = attention.kernels
-        model = loaded.model.fuse_projections(kernels=kernels).use_kernels(kernels)
-        fused = FusedDecode.build(model, self.storage, kernels) if config.fused_decode else None
+        attention = PagedAttention(self.cache.storage, config.attention_backend)
+        model, kernels = loaded.model, attention.kernels  # prepared at load (LoadedModel)
+        fused = None
+        if config.fused_decode:
+            fused = FusedDecode.build(model, self.cache.storage, kernels)
         self.runner = ModelRunner(model, attention, fused)
         self.requests: dict[str, list[Sequence]] = {}
         self.num_computed_tokens = 0  # tokens run through the model, ever: progress
         self._ids = itertools.count()
-        # Set by a prefill instance (kvabi/server/kv_roles.py) to send a prompt's KV layer by
-        # layer: called on this thread once a layer's K/V of a step are stored, with the
-        # sequences whose prompt that step completes. It must not raise.
-        self.on_prompt_layer: PromptLayerHook | None = None
 
     @staticmethod
     def _start(loaded: LoadedModel, config: EngineConfig, fingerprint: str) -> EngineInfo:
@@ -218,11 +222,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduler step; returns the requests that progressed (finished ones last time)."""
         self._promote_waiting()
-        batch = self.scheduler.schedule()
-        if self.tiers is not None:
-            self.tiers.write_down_evicted()  # before the copies and the forward overwrite them
+        batch = self.scheduler.schedule()  # evicted blocks were written down as allocated
         if batch.copies:
-            self.storage.copy_blocks([c.src for c in batch.copies], [c.dst for c in batch.copies])
+            self.cache.storage.copy_blocks(
+                [c.src for c in batch.copies], [c.dst for c in batch.copies]
+            )
         if not batch.seqs:
             return []
         self.num_computed_tokens += batch.num_tokens
@@ -235,50 +239,45 @@ class LLMEngine:
         return outputs
 
     def _layer_hook(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
-        hook = self.on_prompt_layer
+        hook = self.hooks.on_prompt_layer
         if hook is None:
             return None
         seqs = tuple(
             s.seq for s in batch.seqs if s.start < len(s.seq.prompt_ids) <= s.start + s.num_tokens
         )
-        return (lambda layer_id: hook(layer_id, seqs)) if seqs else None
+        return (lambda layer_id: hook(self.cache, layer_id, seqs)) if seqs else None
 
     def cache_stats(self) -> dict[str, float]:
         """Prefix cache and tier metrics as flat `name -> value` (kvabi/cache/cache_stats.py)."""
-        tiers = self.tiers.tiers if self.tiers else []
-        writer = self.tiers.writer if self.tiers else None
-        block_bytes = self.storage.buffers.num_bytes // self.storage.num_blocks
-        return flat_stats(self.stats, self.pool, block_bytes, tiers, writer)
+        return self.cache.flat_stats()
 
     def cache_tags(self) -> tuple[str, ...]:
         """The request tags whose `tag_<tag>_*` figures `cache_stats()` holds."""
-        return tuple(self.stats.tags)
+        return tuple(self.cache.stats.tags)
 
     def reset_prefix_cache(self) -> int:
         """Forget the pool's unreferenced cached blocks (lower tiers keep theirs); return how
         many were dropped."""
-        return self.pool.drop_cached()
+        return self.cache.pool.drop_cached()
 
     def flush_tiers(self) -> None:
         """Wait until every queued write-down has reached the lower tiers."""
-        if self.tiers is not None:
-            self.tiers.flush()
+        self.cache.flush()
 
     def close(self) -> None:
         """Finish queued write-downs and release the tiers (their connections and thread)."""
-        if self.tiers is not None:
-            self.tiers.close()
+        self.cache.close()
 
     def _promote_waiting(self) -> None:
         """Load from the lower tiers what the next admissible waiting requests will reuse."""
-        if self.tiers is None:
+        if self.cache.tiers is None:
             return
         room = self.config.max_num_seqs - len(self.scheduler.running)
         for seq in self.scheduler.waiting[: max(room, 0)]:
             if not seq.is_promoted:
                 seq.is_promoted = True
                 try:
-                    self.tiers.promote(self.scheduler.block_keys(seq))
+                    self.cache.held(self.scheduler.block_keys(seq))
                 except Exception:  # the pool is consistent (promote frees what it pinned)
                     log.exception("loading %s from the lower tiers failed", seq.request_id)
 
@@ -291,13 +290,8 @@ class LLMEngine:
         if self._sessions[session] > 0:
             return
         del self._sessions[session]
-        if self.prefix is None:
-            return
         hashes = list(dict.fromkeys(h for s in seqs for h in s.block_hashes[: s.num_cached_blocks]))
-        if self.tiers is not None:
-            self.tiers.demote(hashes)
-        else:
-            self.pool.demote(self.prefix.pooled_blocks(hashes))
+        self.cache.demote(hashes)
 
     def _postprocess(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[str]:
         touched: dict[str, None] = {}
@@ -341,7 +335,7 @@ class LLMEngine:
             child = self._new_seq(parent.request_id, index, parent.prompt_ids, parent.params)
             child.arrival = parent.arrival
             child.block_ids = list(parent.block_ids)
-            self.pool.share(child.block_ids)
+            self.cache.pool.share(child.block_ids)
             child.num_computed = parent.num_computed
             child.block_hashes, child.hash_root = list(parent.block_hashes), parent.hash_root
             child.num_cached_blocks, child.is_counted = parent.num_cached_blocks, True

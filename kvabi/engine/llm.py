@@ -8,7 +8,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvabi.engine.deltas import ChoiceDelta, DeltaTracker
-from kvabi.engine.engine import EngineConfig, LLMEngine
+from kvabi.engine.engine import EngineConfig, EngineHooks, LLMEngine
 from kvabi.engine.outputs import RequestOutput
 from kvabi.engine.sampling_params import SamplingParams
 from kvabi.interop.model_spec import gguf_fingerprint, state_dict_fingerprint
@@ -23,6 +23,7 @@ class LLM:
         model: str | Path | None = None,
         dtype: str = "bf16",
         progress: bool = True,
+        hooks: EngineHooks = EngineHooks(),
         **engine_config: object,
     ) -> None:
         source = resolve_model(model)
@@ -32,7 +33,7 @@ class LLM:
             if source.format == "gguf"
             else state_dict_fingerprint(loaded.model.state_dict())
         )
-        self._attach(LLMEngine(loaded, EngineConfig(**engine_config), fingerprint))
+        self._attach(LLMEngine(loaded, EngineConfig(**engine_config), fingerprint, hooks))
 
     @classmethod
     def from_loaded(

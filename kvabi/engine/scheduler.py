@@ -20,9 +20,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from kvabi.cache.block_pool import BlockKey, BlockPool
-from kvabi.cache.cache_stats import CacheStats
-from kvabi.cache.prefix_cache import NO_MATCH, MatchResult, PrefixCache
+from kvabi.cache.block_hasher import BlockKey
+from kvabi.cache.kv_cache import NO_MATCH, KVCache, MatchResult
 from kvabi.engine.sequence import SeqStatus, Sequence
 
 
@@ -72,19 +71,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        pool: BlockPool,
-        block_size: int,
-        prefix: PrefixCache | None = None,
-        stats: CacheStats | None = None,
-    ) -> None:
+    def __init__(self, config: SchedulerConfig, cache: KVCache) -> None:
         self.config = config
-        self.pool = pool
-        self.block_size = block_size
-        self.prefix = prefix  # None: no prefix caching
-        self.stats = stats or CacheStats()
+        self.cache, self.pool, self.stats = cache, cache.pool, cache.stats
+        self.block_size = cache.block_size
         self.waiting: list[Sequence] = []  # sorted by arrival
         self.running: list[Sequence] = []  # sorted by arrival
         self.num_preemptions = 0
@@ -142,34 +132,31 @@ class Scheduler:
     def cache_computed(self, seq: Sequence) -> None:
         """Index the sequence's blocks that are now full and computed (after a step)."""
         full = min(seq.num_computed // self.block_size, len(seq.block_ids))
-        if self.prefix is None or full <= seq.num_cached_blocks:
+        if not self.cache.is_prefix_caching or full <= seq.num_cached_blocks:
             return
         hashes = self.block_hashes(seq)
-        self.prefix.cache_blocks(
-            seq.block_ids, hashes, seq.token_ids(), seq.num_cached_blocks, full
-        )
+        self.cache.cache_blocks(seq.block_ids, hashes, seq.token_ids(), seq.num_cached_blocks, full)
         seq.num_cached_blocks = full
 
     def block_hashes(self, seq: Sequence) -> list[bytes]:
         """The chained hashes of the sequence's full blocks (computed once, extended as it
         grows); the root binds the model and the request's cache salt."""
-        if self.prefix is None:
-            raise ValueError("block hashes need the prefix cache (enable_prefix_caching)")
         if seq.hash_root is None:
-            seq.hash_root = self.prefix.root(seq.params.cache_salt)
+            seq.hash_root = self.cache.hasher.root(seq.params.cache_salt)
         tokens = seq.token_ids()
         if len(seq.block_hashes) < len(tokens) // self.block_size:
-            self.prefix.extend_hashes(seq.block_hashes, seq.hash_root, tokens)
+            self.cache.hasher.extend(seq.block_hashes, seq.hash_root, tokens)
         return seq.block_hashes
 
     def block_keys(self, seq: Sequence) -> list[BlockKey]:
         """Each full block's key (hash and tokens): what the lower tiers are searched for."""
-        return self.prefix.keys(self.block_hashes(seq), seq.token_ids())
+        hashes = self.block_hashes(seq)
+        return self.cache.hasher.keys_of(hashes, seq.token_ids(), 0, len(hashes))
 
     def _match(self, seq: Sequence) -> MatchResult:
-        if self.prefix is None:
+        if not self.cache.is_prefix_caching:
             return NO_MATCH
-        return self.prefix.match(self.block_hashes(seq), seq.num_tokens)
+        return self.cache.match(self.block_hashes(seq), seq.num_tokens)
 
     def _can_admit(self, hit: MatchResult, n: int) -> bool:
         copy = 1 if hit.num_cached_tokens % self.block_size else 0  # a partly reused block

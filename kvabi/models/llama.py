@@ -177,8 +177,7 @@ class LlamaModel(nn.Module):
         GEMM summation order). Parameters stay HF-named views, so state_dict() still works.
         `pack`: also keep each GEMM's weight pre-packed for a CPU GEMM (see `PackedLinear`;
         one more copy of the weights in memory); with `kernels`, kvabi's AMX GEMM where it runs.
-        It fuses once per model: engines sharing a loaded model get the first call's packing
-        (an engine without kernels first means oneDNN packing, and no fused decode, for all)."""
+        It fuses once per model (`LoadedModel` does it when the model is loaded)."""
 
         for layer in self.layers:
             layer.self_attn.fuse(pack, kernels)

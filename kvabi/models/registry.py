@@ -14,6 +14,7 @@ import torch
 
 from kvabi.models.checkpoint import Checkpoint
 from kvabi.models.config import ModelConfig
+from kvabi.models.cpu_kernels import cpu_kernels
 from kvabi.models.gguf_loader import load_gguf, open_gguf
 from kvabi.models.hf_loader import load_hf
 from kvabi.models.llama import LlamaModel
@@ -72,9 +73,16 @@ def resolve_model(name_or_path: str | Path | None = None) -> ModelSource:
 
 @dataclass(frozen=True)
 class LoadedModel:
+    """A model ready to serve: built, it is prepared once (packed, fused projections, kvabi's
+    CPU kernels where they build), so engines sharing it cannot change each other's paths."""
+
     config: ModelConfig
     model: LlamaModel
     tokenizer: Tokenizer
+
+    def __post_init__(self) -> None:
+        kernels = cpu_kernels()
+        self.model.fuse_projections(kernels=kernels).use_kernels(kernels)
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:

@@ -214,8 +214,8 @@ class AsyncEngine:
         stats = getattr(self.engine, "cache_stats", None)  # arrives with the prefix cache
         scheduler = self.engine.scheduler
         return EngineSnapshot(
-            num_blocks=self.engine.pool.num_blocks,
-            num_free_blocks=self.engine.pool.num_free,
+            num_blocks=self.engine.cache.num_blocks,
+            num_free_blocks=self.engine.cache.num_free_blocks,
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
             num_preemptions=getattr(scheduler, "num_preemptions", 0),

@@ -1,12 +1,13 @@
 """The server's KV events: its pool's block events published in vLLM's format, and the route a
 prefix-aware router asks for a request's token ids and hash root.
 
-`kvabi serve --kv-events tcp://127.0.0.1:PORT` (any role) gives the engine's pool a
-`BlockEventLog` and publishes it (kvabi/disagg/kv_event_publisher.py). The router cannot hash a
-request by itself: the tokenizer, the chat template and the model's compat digest live here, so
-`POST /kvabi/tokenize/v1/completions` (or `/v1/chat/completions`) takes the very body the
-generation route takes and answers `{"token_ids", "hash_root", "block_size"}`; the router hashes
-the ids for each block size its instances use (docs: kvabi/disagg/router.py).
+`kvabi serve --kv-events tcp://127.0.0.1:PORT` (any role) builds the engine with a
+`BlockEventLog` (`server_hooks`) and publishes it (kvabi/disagg/kv_event_publisher.py). The
+router cannot hash a request by itself: the tokenizer, the chat template and the model's
+compat digest live here, so `POST /kvabi/tokenize/v1/completions` (or `/v1/chat/completions`)
+takes the very body the generation route takes and answers `{"token_ids", "hash_root",
+"block_size"}`; the router hashes the ids for each block size its instances use (docs:
+kvabi/disagg/router.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
-from kvabi.abi.block_hash import request_root
 from kvabi.cache.block_events import BlockEventLog
 from kvabi.disagg.kv_event_publisher import KVEventPublisher
 from kvabi.engine.engine import LLMEngine
@@ -33,11 +33,11 @@ tokenize_routes = APIRouter(prefix="/kvabi/tokenize")
 def start_publisher(
     engine: LLMEngine, endpoint: str, replay_endpoint: str | None = None
 ) -> KVEventPublisher:
-    """Bind the publisher and hand the pool its event log (before the engine thread runs)."""
-    events = BlockEventLog("CPU")  # the pool's blocks live in host memory
-    publisher = KVEventPublisher(endpoint, events, replay_endpoint).start()
-    engine.pool.events = events
-    return publisher
+    """Bind the publisher over the event log the engine was built with (`server_hooks`)."""
+    events = engine.hooks.block_events
+    if not isinstance(events, BlockEventLog):
+        raise ValueError("kv_events: build the engine with server_hooks(settings) to publish")
+    return KVEventPublisher(endpoint, events, replay_endpoint).start()
 
 
 @tokenize_routes.post("/v1/completions")
@@ -62,12 +62,12 @@ async def _tokenize(
     serving.check_model(req.model)
     engine: LLMEngine = serving.engine
     prepared = prepare(req, engine)
-    if engine.prefix is None:
+    if not engine.cache.is_prefix_caching:
         raise APIError(404, "this instance has no prefix cache", code="no_prefix_cache")
-    root = request_root(engine.prefix.compat_digest, prepared.params.cache_salt)  # pure
+    root = engine.cache.hasher.root(prepared.params.cache_salt)  # pure
     body = {
         "token_ids": prepared.prompt_ids,
         "hash_root": root.hex(),
-        "block_size": engine.config.block_size,
+        "block_size": engine.cache.block_size,
     }
     return JSONResponse(body)

@@ -4,11 +4,12 @@ endpoint; a decode instance fetches it before it admits a request (kvabi/disagg)
 Prefill: a fetch arrives on a transport thread; the prompt is admitted like any request with
 `max_tokens=1` (so it is batched with the others). With a transport that streams layers (tcp),
 the step that completes the prompt copies each layer's blocks out as soon as the forward has
-stored them (`LLMEngine.on_prompt_layer`), and the transport's thread sends that layer while
-the forward computes the next; otherwise the pooled blocks are copied out when it ends.
-Decode: before a request is queued, the pool is asked what it already holds, the rest is
-fetched from the named prefill peer and placed in the pool as cached blocks (engine thread);
-the request then hits them. Any failure of that path
+stored them (`PromptFeeds`, the engine's `on_prompt_layer` hook, given when the engine is built:
+`server_hooks`), and the transport's thread sends that layer while the forward computes the
+next; otherwise the pooled blocks are copied out when it ends (`KVCache.export`).
+Decode: before a request is queued, the cache is asked what it already holds (pool, then
+tiers), the rest is fetched from the named prefill peer and imported into the pool as cached
+blocks (engine thread); the request then hits them. Any failure of that path
 (peer gone, timeout, checksum, refusal) only means the decode instance prefills the prompt
 itself: the request is served either way, and its `X-Kvabi-KV` header says which way.
 """
@@ -19,12 +20,13 @@ import asyncio
 import logging
 import threading
 from collections import Counter
+from collections.abc import Callable
 
-from kvabi.abi.block_hash import hash_blocks, request_root
 from kvabi.abi.buffers import CacheBuffers, owner_layers
+from kvabi.cache.block_events import BlockEventLog
+from kvabi.cache.kv_cache import KVCache
 from kvabi.disagg.errors import RemoteError, TransferError
-from kvabi.disagg.kv_export import export_blocks, layer_blocks
-from kvabi.disagg.kv_inject import fetch_start, inject_blocks, num_held_tokens, stage_payload
+from kvabi.disagg.kv_staging import fetch_start, stage_payload
 from kvabi.disagg.layer_feed import LayerFeed
 from kvabi.disagg.peer_backoff import PeerBackoff
 from kvabi.disagg.router import NO_PEER
@@ -37,14 +39,63 @@ from kvabi.disagg.transport import (
     KVStream,
     StreamProvider,
 )
+from kvabi.engine.engine import EngineHooks
 from kvabi.engine.sampling_params import SamplingParams
 from kvabi.engine.sequence import Sequence
 from kvabi.server.async_engine import AsyncEngine
-from kvabi.server.request_handle import EngineError
+from kvabi.server.request_handle import EngineError, RequestHandle
+from kvabi.server.settings import ServerSettings
 
 log = logging.getLogger("kvabi.server")
 PEER_HEADER = "x-kvabi-prefill"  # the router names the prefill peer to fetch from
 KV_HEADER = "x-kvabi-kv"  # where a decode response's prompt KV came from
+
+
+def server_hooks(settings: ServerSettings, disagg: DisaggSettings | None = None) -> EngineHooks:
+    """What a server's engine is built with: a block-event log to publish (`--kv-events`), and
+    on a prefill instance whose transport streams layers, the feeds that send them."""
+    events = BlockEventLog("CPU") if settings.kv_events is not None else None  # host memory
+    feeds = None
+    if disagg is not None and disagg.role == "prefill" and disagg.transport_type.streams_layers:
+        feeds = PromptFeeds()
+    return EngineHooks(on_prompt_layer=feeds, block_events=events)
+
+
+class PromptFeeds:
+    """The engine's `on_prompt_layer` hook on a prefill instance: the prompts being streamed
+    (request id -> its layer feed and the blocks it sends), each fed a layer as it is stored."""
+
+    def __init__(self) -> None:
+        self._feeds: dict[str, tuple[LayerFeed, slice]] = {}
+        self._lock = threading.Lock()  # the engine thread reads, the event loop registers
+
+    def add(
+        self, submit: Callable[[], RequestHandle], feed: LayerFeed, blocks: slice
+    ) -> RequestHandle:
+        """Submit a prompt and register its feed under one lock: the engine thread cannot
+        reach the prompt's layers before its feed is known."""
+        with self._lock:
+            handle = submit()
+            self._feeds[handle.request_id] = (feed, blocks)
+        return handle
+
+    def remove(self, request_id: str) -> None:
+        with self._lock:
+            self._feeds.pop(request_id, None)
+
+    def __call__(self, cache: KVCache, layer_id: int, seqs: tuple[Sequence, ...]) -> None:
+        """On the engine thread, mid-forward: copy this layer of each streamed prompt's blocks
+        (a few memcpys) and hand it to its sender, then let the forward go on."""
+        for seq in seqs:
+            with self._lock:
+                entry = self._feeds.get(seq.request_id)
+            if entry is None:
+                continue
+            feed, blocks = entry
+            try:
+                feed.put(layer_id, cache.export_layer(layer_id, seq.block_ids[blocks]))
+            except Exception as exc:  # never fail the engine's step for one transfer
+                feed.fail(exc)
 
 
 class PrefillRole:
@@ -52,8 +103,8 @@ class PrefillRole:
         self.settings, self.engine = settings, engine
         self.server: KVServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._feeds: dict[str, tuple[LayerFeed, slice]] = {}  # request id -> feed, its blocks
-        self._feeds_lock = threading.Lock()
+        hook = engine.engine.hooks.on_prompt_layer
+        self._feeds = hook if isinstance(hook, PromptFeeds) else None  # None: no streaming
 
     def start(self) -> None:
         """Listen on the KV endpoint; call from the event loop, after the engine started."""
@@ -61,8 +112,7 @@ class PrefillRole:
         desc = self.engine.engine.info.descriptor
         transport = self.settings.make_transport()
         provider: StreamProvider = self._provide
-        if transport.streams_layers:
-            self.engine.engine.on_prompt_layer = self._layer_stored
+        if transport.streams_layers and self._feeds is not None:
             provider = self._provide_stream
         self.server = transport.listen(self.settings.kv_address, desc, provider)
         log.info("prefill KV endpoint on %s", self.server.address)
@@ -90,7 +140,8 @@ class PrefillRole:
                     break
         finally:
             self.engine.abort(handle)  # no-op once finished
-        return await self.engine.call(lambda engine: export_blocks(engine, request))
+        ids, salt, start = request.token_ids, request.cache_salt, request.start_token
+        return await self.engine.call(lambda engine: engine.cache.export(ids, salt, start))
 
     def _provide_stream(self, request: FetchRequest) -> KVPayload | KVStream:
         """On a transport thread: the prompt's full blocks from `start_token` on, each layer
@@ -102,8 +153,7 @@ class PrefillRole:
         blocks = slice(request.start_token // bs, len(ids) // bs)
         if blocks.start >= blocks.stop:
             return KVPayload(request.start_token, (), (), CacheBuffers.empty(desc, 0))
-        root = request_root(desc.model.compat_digest(), salt)
-        hashes = hash_blocks(ids, bs, root)[blocks]
+        hashes = engine.cache.hasher.hashes(ids, salt)[blocks]  # the hasher is pure
         feed = LayerFeed(owner_layers(desc), self.settings.transfer_timeout_s)
         future = asyncio.run_coroutine_threadsafe(self._stream(ids, salt, feed, blocks), self._loop)
         feed.on_abandon = future.cancel  # the sender gave up: abort the prefill
@@ -116,9 +166,7 @@ class PrefillRole:
         params = SamplingParams(max_tokens=1, temperature=0, cache_salt=salt)
         handle = None
         try:
-            with self._feeds_lock:  # registered before the engine thread can step the request
-                handle = self.engine.submit(ids, params)
-                self._feeds[handle.request_id] = (feed, blocks)
+            handle = self._feeds.add(lambda: self.engine.submit(ids, params), feed, blocks)
             async for out in handle.updates():
                 if out.finished:
                     break
@@ -129,26 +177,8 @@ class PrefillRole:
             raise
         finally:
             if handle is not None:
-                with self._feeds_lock:
-                    self._feeds.pop(handle.request_id, None)
+                self._feeds.remove(handle.request_id)
                 self.engine.abort(handle)  # no-op once finished
-
-    def _layer_stored(self, layer_id: int, seqs: tuple[Sequence, ...]) -> None:
-        """On the engine thread, mid-forward: copy this layer of each streamed prompt's blocks
-        (a few memcpys) and hand it to its sender, then let the forward go on."""
-        for seq in seqs:
-            with self._feeds_lock:
-                entry = self._feeds.get(seq.request_id)
-            if entry is None:
-                continue
-            feed, blocks = entry
-            try:
-                feed.put(
-                    layer_id,
-                    layer_blocks(self.engine.engine.storage, layer_id, seq.block_ids[blocks]),
-                )
-            except Exception as exc:  # never fail the engine's step for one transfer
-                feed.fail(exc)
 
 
 class DecodeRole:
@@ -199,8 +229,10 @@ class DecodeRole:
 
     async def _pull(self, address: str, ids: tuple[int, ...], salt: str | None) -> str:
         client = await self._client(address)
-        held = await self.engine.call(lambda e: num_held_tokens(e, ids, salt))
-        own_bs = self.engine.engine.config.block_size
+        cache = self.engine.engine.cache
+        keys = cache.hasher.keys(ids, salt)  # pure: off the engine thread
+        held = await self.engine.call(lambda e: e.cache.held(keys)) * cache.block_size
+        own_bs = cache.block_size
         peer_bs = client.peer_desc.layout.block_size
         start = fetch_start(held, own_bs, peer_bs)
         sent = (len(ids) - start) // peer_bs * peer_bs  # the peer sends whole blocks of its size
@@ -209,7 +241,7 @@ class DecodeRole:
         payload = await asyncio.to_thread(client.fetch, FetchRequest(ids, start, salt))
         desc = self.engine.engine.info.descriptor
         payload = await asyncio.to_thread(stage_payload, payload, desc)  # off the engine thread
-        result = await self.engine.call(lambda e: inject_blocks(e, ids, salt, payload))
+        result = await self.engine.call(lambda e: e.cache.import_blocks(ids, salt, payload))
         if result.num_cached_tokens <= held:
             return f"pool;tokens={held}" if held else "local;reason=nothing-fetched"
         return f"prefill;tokens={result.num_cached_tokens}"

@@ -4,8 +4,9 @@ import pytest
 
 from kvabi.abi.block_hash import hash_blocks, root_hash
 from kvabi.cache.block_events import AllBlocksCleared, BlockEventLog, BlockRemoved, BlockStored
-from kvabi.cache.block_pool import BlockKey, BlockPool
-from kvabi.cache.prefix_cache import PrefixCache
+from kvabi.cache.block_hasher import BlockKey
+from kvabi.cache.block_pool import BlockPool
+from tests.cache.tiny import tiny_cache
 
 DIGEST = "00112233445566778899aabbccddeeff"
 
@@ -17,8 +18,8 @@ def chain(n: int, bs: int = 2) -> tuple[list[int], list[bytes]]:
 
 def test_a_chain_cached_in_one_step_is_one_stored_event_with_its_parent():
     log = BlockEventLog()
-    pool = BlockPool(8, events=log)
-    prefix = PrefixCache(pool, 2, DIGEST)
+    prefix = tiny_cache(8, block_size=2, events=log)  # the index is the cache\'s
+    pool = prefix.pool
     ids, hashes = chain(3)
     blocks = pool.allocate(3)
     prefix.cache_blocks(blocks, hashes, ids, 0, 2)  # a first step fills two blocks
@@ -29,8 +30,8 @@ def test_a_chain_cached_in_one_step_is_one_stored_event_with_its_parent():
 
 def test_a_run_that_does_not_start_the_chain_names_its_parent():
     log = BlockEventLog("GPU")
-    pool = BlockPool(8, events=log)
-    prefix = PrefixCache(pool, 2, DIGEST)
+    prefix = tiny_cache(8, block_size=2, events=log)  # the index is the cache\'s
+    pool = prefix.pool
     ids, hashes = chain(3)
     blocks = pool.allocate(3)
     prefix.cache_blocks(blocks, hashes, ids, 0, 1)
@@ -41,10 +42,10 @@ def test_a_run_that_does_not_start_the_chain_names_its_parent():
 
 def test_keys_carry_parents_and_a_duplicate_hash_is_not_reported():
     log = BlockEventLog()
-    pool = BlockPool(8, events=log)
-    prefix = PrefixCache(pool, 2, DIGEST)
+    prefix = tiny_cache(8, block_size=2, events=log)  # the index is the cache\'s
+    pool = prefix.pool
     ids, hashes = chain(2)
-    keys = prefix.keys(hashes[1:], ids[2:], parent=hashes[0])
+    keys = prefix.hasher.keys_of(hashes, ids, 1, 2)
     assert [k.parent_hash for k in keys] == [hashes[0]]
     assert keys[0] == BlockKey(hashes[1], (12, 13))  # the parent is not part of equality
     a, b = pool.allocate(2)
@@ -55,8 +56,8 @@ def test_keys_carry_parents_and_a_duplicate_hash_is_not_reported():
 
 def test_eviction_reports_removal_in_eviction_order_merged():
     log = BlockEventLog()
-    pool = BlockPool(3, events=log)
-    prefix = PrefixCache(pool, 2, DIGEST)
+    prefix = tiny_cache(3, block_size=2, events=log)  # the index is the cache\'s
+    pool = prefix.pool
     ids, hashes = chain(3)
     blocks = pool.allocate(3)
     prefix.cache_blocks(blocks, hashes, ids, 0, 3)
@@ -68,8 +69,8 @@ def test_eviction_reports_removal_in_eviction_order_merged():
 
 def test_dropping_every_cached_block_is_all_cleared_and_some_is_removed():
     log = BlockEventLog()
-    pool = BlockPool(4, events=log)
-    prefix = PrefixCache(pool, 2, DIGEST)
+    prefix = tiny_cache(4, block_size=2, events=log)  # the index is the cache\'s
+    pool = prefix.pool
     ids, hashes = chain(2)
     blocks = pool.allocate(2)
     prefix.cache_blocks(blocks, hashes, ids, 0, 2)

@@ -1,6 +1,7 @@
 import pytest
 
-from kvabi.cache.block_pool import BlockKey, BlockPool, EvictedBlock, NoFreeBlocksError
+from kvabi.cache.block_hasher import BlockKey
+from kvabi.cache.block_pool import BlockPool, NoFreeBlocksError
 
 
 def key(i: int) -> BlockKey:
@@ -29,7 +30,8 @@ def test_shared_blocks_return_only_when_the_last_reference_goes():
 
 
 def test_eviction_order_is_empty_blocks_then_cached_least_recent_tail_first():
-    pool = BlockPool(6, record_evictions=True)
+    written: list[tuple[list[int], list]] = []
+    pool = BlockPool(6, write_down=lambda ids, keys: written.append((ids, keys)))
     chain = pool.allocate(3)  # [0, 1, 2]
     other = pool.allocate(2)  # [3, 4]; block 4 is a partial tail, never cached
     for i, block_id in enumerate(chain):
@@ -39,13 +41,10 @@ def test_eviction_order_is_empty_blocks_then_cached_least_recent_tail_first():
     pool.free(other)  # 4 -> empty queue behind 5; 3 -> cached queue behind 0
     assert (pool.num_free, pool.num_cached, pool.num_free_cached) == (6, 4, 4)
     assert pool.allocate(6) == [5, 4, 2, 1, 0, 3]
-    assert pool.pop_evicted() == [
-        EvictedBlock(2, key(2)),
-        EvictedBlock(1, key(1)),
-        EvictedBlock(0, key(0)),
-        EvictedBlock(3, key(10)),
-    ]
-    assert pool.pop_evicted() == [] and pool.num_cached == 0 and pool.num_evictions == 4
+    # handed over once, inside the allocation, in eviction order (the data is still intact)
+    assert written == [([2, 1, 0, 3], [key(2), key(1), key(0), key(10)])]
+    assert pool.num_cached == 0 and pool.num_evictions == 4
+    assert pool.allocate(0) == [] and len(written) == 1  # nothing evicted: not called
     assert pool.cached_block(key(0).block_hash) is None
 
 

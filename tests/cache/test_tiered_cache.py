@@ -9,13 +9,12 @@ from kvabi.abi.descriptor import ATTN, LayerSpec, ModelSpec
 from kvabi.abi.errors import IncompatibleError
 from kvabi.abi.presets import preset_descriptor
 from kvabi.cache.block_codec import BlockCodec
-from kvabi.cache.block_pool import BlockKey, BlockPool
+from kvabi.cache.block_hasher import BlockKey
 from kvabi.cache.host_tier import HostTier
+from kvabi.cache.kv_cache import KVCache
 from kvabi.cache.kv_storage import KVStorage
-from kvabi.cache.prefix_cache import PrefixCache
 from kvabi.cache.tier_config import TierConfig
 from kvabi.cache.tier_writer import TierWriter
-from kvabi.cache.tiered_cache import TieredCache
 from kvabi.wire import ChecksumError, FormatError, TruncatedError
 
 MODEL = ModelSpec((LayerSpec(ATTN, 2, 8, 8),) * 2, "tiny")
@@ -23,18 +22,15 @@ DESC = preset_descriptor("vllm-flash-attn", MODEL, block_size=4, dtype="f32")
 TOKENS = list(range(50, 62))  # 3 full blocks
 
 
-def filled_storage(desc=DESC, num_blocks=6, seed=0) -> KVStorage:
-    storage = KVStorage(desc, num_blocks)
+def fill(storage: KVStorage, seed: int) -> KVStorage:
     gen = torch.Generator().manual_seed(seed)
     for t in storage.buffers.tensors.values():
         t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
     return storage
 
 
-def chain_keys(prefix: PrefixCache) -> list[BlockKey]:
-    hashes: list[bytes] = []
-    prefix.extend_hashes(hashes, prefix.root(), TOKENS)
-    return prefix.keys(hashes, TOKENS)
+def filled_storage(desc=DESC, num_blocks=6, seed=0) -> KVStorage:
+    return fill(KVStorage(desc, num_blocks), seed)
 
 
 def same_block(a: KVStorage, a_id: int, b: KVStorage, b_id: int) -> bool:
@@ -116,13 +112,13 @@ def test_the_writer_never_blocks_and_drops_what_its_queue_cannot_hold():
     assert tier.lru_order() == [k.block_hash for k in (keys[0], keys[1], keys[3])]  # 0 kept
 
 
-def tiered(num_blocks=6) -> TieredCache:
-    storage = filled_storage(num_blocks=num_blocks, seed=1)
-    prefix = PrefixCache(BlockPool(num_blocks, record_evictions=True), 4, MODEL.compat_digest())
-    return TieredCache(TierConfig(host_bytes=1 << 20), prefix, storage, [HostTier(1 << 20)])
+def tiered(num_blocks=6) -> KVCache:
+    cache = KVCache(DESC, num_blocks, tiers=TierConfig(host_bytes=1 << 20))
+    fill(cache.storage, seed=1)
+    return cache
 
 
-def write_chain(cache: TieredCache, keys: list[BlockKey]) -> list[int]:
+def write_chain(cache: KVCache, keys: list[BlockKey]) -> list[int]:
     """Blocks 0, 1, 2 hold the chain: computed, indexed, freed, then written down."""
     ids = cache.pool.allocate(3)
     for block_id, key in zip(ids, keys, strict=True):
@@ -133,34 +129,65 @@ def write_chain(cache: TieredCache, keys: list[BlockKey]) -> list[int]:
     return ids
 
 
-def test_promote_loads_the_run_after_the_pooled_prefix_into_exact_blocks():
+def test_held_loads_the_run_after_the_pooled_prefix_into_exact_blocks():
     cache = tiered()
-    keys = chain_keys(cache.prefix)
+    keys = cache.hasher.keys(TOKENS)
     reference = filled_storage(num_blocks=6, seed=1)  # what blocks 0..2 held
     write_chain(cache, keys)
     assert cache.pool.allocate(6) == [3, 4, 5, 2, 1, 0]  # demoted: the chain's tail first
-    assert [e.block_id for e in cache.pool.pop_evicted()] == [2, 1, 0]
+    assert cache.pool.num_evictions == 3
     for t in cache.storage.buffers.tensors.values():
         t.zero_()  # their memory was reused and overwritten
     for block_ids in ([5], [1], [3], [0, 2, 4]):
         cache.pool.free(block_ids)  # empty queue: 5, 1, 3, 4, 2, 0
-    assert cache.promote(keys) == 12
+    assert cache.held(keys) == 3
     assert [cache.pool.cached_block(k.block_hash) for k in keys] == [5, 1, 3]
     assert all(same_block(reference, i, cache.storage, b) for i, b in enumerate([5, 1, 3]))
-    assert cache.pool.num_free == 6 and cache.tiers[0].stats.hit_tokens == 12
-    assert cache.promote(keys) == 0  # all pooled now: nothing to load
+    host = cache.tiers.tier("host")
+    assert cache.pool.num_free == 6 and host.stats.hit_tokens == 12
+    assert cache.held(keys) == 3 and host.stats.hit_tokens == 12  # all pooled: nothing loaded
 
 
 def test_a_corrupt_entry_is_a_miss_removed_and_the_load_stops_before_it():
     cache = tiered()
-    keys = chain_keys(cache.prefix)
+    keys = cache.hasher.keys(TOKENS)
     write_chain(cache, keys)
     cache.pool.drop_cached()
-    host = cache.tiers[0]
+    host = cache.tiers.tier("host")
     good = host.get_many([keys[1].block_hash])[0]
     host.remove(keys[1].block_hash)
     host.put(keys[1].block_hash, good[:-64] + bytes(64))  # a damaged copy of block 1
-    assert cache.promote(keys) == 4  # block 0 only: the chain breaks at block 1
+    assert cache.held(keys) == 1  # block 0 only: the chain breaks at block 1
     assert host.contains_many([k.block_hash for k in keys]) == [True, False, True]
     assert (host.stats.corrupt, host.stats.hit_tokens) == (1, 4)
-    assert cache.prefix.num_pooled([k.block_hash for k in keys]) == 1
+    assert cache.num_pooled([k.block_hash for k in keys]) == 1
+
+
+def test_an_import_that_evicts_a_cached_block_writes_it_down_first():
+    """The write-down happens inside allocation: an import (or any allocation) that takes a
+    cached block's memory hands its data to the tiers before anything overwrites it."""
+    cache = tiered(num_blocks=3)
+    keys = cache.hasher.keys(TOKENS)
+    reference = filled_storage(num_blocks=3, seed=1)
+    ids = cache.pool.allocate(3)
+    cache.cache_blocks(ids, [k.block_hash for k in keys], TOKENS, 0, 3)
+    cache.pool.free(ids)  # cached, in no tier yet
+    other = list(range(200, 212))
+    payload = KVCache(DESC, 3).export(other, None)  # nothing pooled there: empty
+    assert payload.cache.extent == 0
+    source = KVCache(DESC, 3)
+    fill(source.storage, seed=7)
+    src_ids = source.pool.allocate(3)
+    source.cache_blocks(src_ids, source.hasher.hashes(other), other, 0, 3)
+    payload = source.export(other, None)
+    assert cache.import_blocks(other, None, payload).num_placed_blocks == 3
+    cache.flush()
+    host = cache.tiers.tier("host")
+    assert host.contains_many([k.block_hash for k in keys]) == [True] * 3
+    back = tiered(num_blocks=3)
+    back.tiers = cache.tiers  # read the same host tier into a fresh pool
+    for t in back.storage.buffers.tensors.values():
+        t.zero_()
+    assert back.held(keys) == 3
+    blocks = [back.pool.cached_block(k.block_hash) for k in keys]
+    assert all(same_block(reference, i, back.storage, b) for i, b in enumerate(blocks))

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from kvabi.disagg.hf_prefill import HFPrefillProvider
-from kvabi.disagg.kv_inject import inject_blocks
 from kvabi.disagg.tcp_transport import TcpTransport
 from kvabi.disagg.transport import FetchRequest
 from kvabi.engine.engine import EngineConfig, LLMEngine
@@ -28,7 +27,7 @@ def test_hf_prefill_feeds_kvabi_decode_identically(tmp_path):
     client = TcpTransport(config()).connect(server.address, decode.info.descriptor)
     payload = client.fetch(FetchRequest(PROMPT))
     assert (payload.start_token, payload.end_token, payload.cache.extent) == (0, 32, 4)
-    assert inject_blocks(decode, PROMPT, None, payload).num_cached_tokens == 32
+    assert decode.cache.import_blocks(PROMPT, None, payload).num_cached_tokens == 32
     got = greedy(decode, list(PROMPT), 10)
     assert decode.cache_stats()["prefix_hit_tokens"] == 32
     with torch.no_grad():

@@ -14,10 +14,11 @@ import httpx
 import pytest
 import torch
 
+from kvabi.cache.kv_cache import ImportResult
 from kvabi.disagg.errors import AuthError, PeerClosedError, TransferError, TransferTimeoutError
 from kvabi.disagg.framing import recv_msg, send_msg
 from kvabi.disagg.handshake import client_handshake
-from kvabi.disagg.kv_inject import InjectResult, inject_blocks, stage_payload
+from kvabi.disagg.kv_staging import stage_payload
 from kvabi.disagg.nixl_memory import is_nixl_available
 from kvabi.disagg.settings import DisaggSettings
 from kvabi.disagg.transport import FetchRequest, KVPayload, TransportConfig
@@ -80,7 +81,7 @@ def test_a_fetch_equals_the_tcp_transports_and_decodes_identically(server):
         assert (payload.start_token, payload.end_token) == (start, 20)
         assert_same_payload(payload, tcp_payload(request, decode.info.descriptor))
     staged = stage_payload(payload, decode.info.descriptor)
-    assert inject_blocks(decode, PROMPT, None, staged) == InjectResult(16, 2)
+    assert decode.cache.import_blocks(PROMPT, None, staged) == ImportResult(16, 2)
     assert greedy(decode, list(PROMPT)) == greedy(engine("nhd", 4), list(PROMPT))
     client.close()
 
@@ -113,7 +114,7 @@ def test_a_corrupt_region_fails_its_checksum_and_places_nothing(monkeypatch):
     client = nixl().connect(server.address, decode.info.descriptor)
     with pytest.raises(ChecksumError, match="layer 0 is corrupt"):
         client.fetch(FetchRequest(PROMPT))
-    assert (decode.pool.num_free, decode.pool.num_cached) == (64, 0)
+    assert (decode.cache.pool.num_free, decode.cache.pool.num_cached) == (64, 0)
     assert client.fetch(FetchRequest(PROMPT)).end_token == 20  # a fresh connection, intact
     client.close(), server.close()
 

@@ -15,11 +15,9 @@ from kvabi.disagg.errors import (
     TransferTimeoutError,
 )
 from kvabi.disagg.framing import LENGTH, recv_msg
-from kvabi.disagg.kv_inject import (
-    InjectResult,
+from kvabi.disagg.kv_staging import (
+    ImportResult,
     fetch_start,
-    inject_blocks,
-    num_held_tokens,
     stage_payload,
 )
 from kvabi.disagg.tcp_transport import TcpTransport
@@ -63,8 +61,10 @@ def test_mixed_layouts_transfer_and_decode_identically(prefill):
         2,
         decode.info.descriptor,
     )
-    assert inject_blocks(decode, PROMPT, None, staged) == InjectResult(16, 2)
-    assert decode.pool.num_free == 64 and decode.pool.num_cached == 2  # cached, unreferenced
+    assert decode.cache.import_blocks(PROMPT, None, staged) == ImportResult(16, 2)
+    assert (
+        decode.cache.pool.num_free == 64 and decode.cache.pool.num_cached == 2
+    )  # cached, unreferenced
     assert greedy(decode, list(PROMPT)) == greedy(engine("nhd", 4), list(PROMPT))
     assert decode.cache_stats()["prefix_hit_tokens"] == 16
     client.close()
@@ -74,16 +74,16 @@ def test_fetch_skips_blocks_the_decode_side_holds(prefill):
     _, server = prefill
     decode = engine("nhd", 8)
     greedy(decode, list(PROMPT[:17]), 1)  # pools the first 2 blocks of 8
-    held = num_held_tokens(decode, PROMPT, None)
+    held = decode.cache.num_pooled(decode.cache.hasher.hashes(PROMPT)) * decode.cache.block_size
     assert held == 16 and fetch_start(held, 8, 4) == 16 and fetch_start(12, 8, 12) == 0
     payload = connect(server, decode).fetch(FetchRequest(PROMPT, 16))
     assert (payload.start_token, payload.token_ids) == (16, PROMPT[16:20])
-    assert inject_blocks(decode, PROMPT, None, payload) == InjectResult(16, 0)  # no 8-block
+    assert decode.cache.import_blocks(PROMPT, None, payload) == ImportResult(16, 0)  # no 8-block
     fresh = engine("nhd", 4)  # lost what it held meanwhile: a gap, nothing placed
-    assert inject_blocks(fresh, PROMPT, None, payload) == InjectResult(0, 0)
+    assert fresh.cache.import_blocks(PROMPT, None, payload) == ImportResult(0, 0)
     pooled = engine("nhd", 4)
     greedy(pooled, list(PROMPT[:17]), 1)  # holds 4 blocks of 4: the payload's one extends them
-    assert inject_blocks(pooled, PROMPT, None, payload) == InjectResult(20, 1)
+    assert pooled.cache.import_blocks(PROMPT, None, payload) == ImportResult(20, 1)
 
 
 def test_a_wrong_secret_is_refused_on_both_sides(prefill):
@@ -105,7 +105,7 @@ def test_a_corrupt_payload_fails_its_checksum_and_places_nothing(monkeypatch):
     decode = engine("hnd", 8)
     with pytest.raises(ChecksumError, match="layer 0 is corrupt"):
         connect(server, decode).fetch(FetchRequest(PROMPT))
-    assert (decode.pool.num_free, decode.pool.num_cached) == (64, 0)
+    assert (decode.cache.pool.num_free, decode.cache.pool.num_cached) == (64, 0)
     server.close()
 
 
@@ -151,7 +151,7 @@ def test_a_prompt_shorter_than_a_block_sends_an_empty_container(prefill):
     decode = engine("hnd", 8)
     payload = connect(server, decode).fetch(FetchRequest(PROMPT[:3]))
     assert (payload.start_token, payload.token_ids, payload.cache.extent) == (0, (), 0)
-    assert inject_blocks(decode, PROMPT[:3], None, payload).num_placed_blocks == 0
+    assert decode.cache.import_blocks(PROMPT[:3], None, payload).num_placed_blocks == 0
 
 
 def test_a_peer_that_is_busy_past_the_stall_timeout_is_waited_for():

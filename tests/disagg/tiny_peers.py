@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 
-from kvabi.disagg.kv_export import export_blocks
 from kvabi.disagg.tcp_transport import TcpTransport
 from kvabi.disagg.transport import FetchRequest, KVPayload, KVServer, TransportConfig
 from kvabi.engine.engine import EngineConfig, LLMEngine
@@ -32,7 +31,7 @@ def prefill_provider(e: LLMEngine):
             e.add_request(list(request.token_ids), SamplingParams(max_tokens=1))
             while e.has_unfinished():
                 e.step()
-            return export_blocks(e, request)
+            return e.cache.export(request.token_ids, request.cache_salt, request.start_token)
 
     return provide
 

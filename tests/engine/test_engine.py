@@ -56,7 +56,7 @@ def test_preemption_under_a_tiny_block_budget_completes_everything_identically()
     outs = run_all(engine, PROMPTS, GREEDY)
     assert engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == REFERENCE
-    assert engine.pool.num_free == 12
+    assert engine.cache.pool.num_free == 12
 
 
 def test_late_arrivals_join_running_batches():
@@ -82,14 +82,14 @@ def test_n_shares_the_prompt_blocks_and_seeds_reproduce():
     assert len(seqs) == 3
     shared = seqs[0].block_ids[:5]
     assert all(s.block_ids[:5] == shared for s in seqs[1:])
-    assert [engine.pool.ref_counts[b] for b in shared] == [3] * 5
+    assert [engine.cache.pool.ref_counts[b] for b in shared] == [3] * 5
     while engine.has_unfinished():
         out = engine.step()
     texts = [c.token_ids for c in out[0].outputs]
     assert len(set(texts)) > 1  # three different samples
     again = run_all(tiny_engine(block_size=16), [PROMPTS[1]], params)[0]
     assert [c.token_ids for c in again.outputs] == texts  # same seeds, other block size
-    assert engine.pool.num_free == engine.pool.num_blocks
+    assert engine.cache.pool.num_free == engine.cache.pool.num_blocks
 
 
 def test_greedy_n_gives_identical_copies():
@@ -174,9 +174,11 @@ def test_abort_frees_blocks():
     engine = tiny_engine(block_size=4)
     rid = engine.add_request(PROMPTS[1], GREEDY)
     engine.step()
-    assert engine.pool.num_free < engine.pool.num_blocks
+    assert engine.cache.pool.num_free < engine.cache.pool.num_blocks
     engine.abort(rid)
-    assert engine.pool.num_free == engine.pool.num_blocks and not engine.has_unfinished()
+    assert (
+        engine.cache.pool.num_free == engine.cache.pool.num_blocks and not engine.has_unfinished()
+    )
 
 
 def test_a_sliding_window_caps_the_context_so_attention_stays_exact():

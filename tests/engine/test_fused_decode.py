@@ -87,4 +87,4 @@ def test_build_declines_what_it_cannot_run():
         tiny_loaded(dtype=torch.bfloat16), EngineConfig(attention_backend="batched"), "t"
     )
     assert bf16.runner.fused is None  # no kernels with the torch attention backends
-    assert FusedDecode.build(bf16.runner.model, bf16.storage, None) is None
+    assert FusedDecode.build(bf16.runner.model, bf16.cache.storage, None) is None

@@ -38,7 +38,7 @@ def test_a_failing_request_fails_alone_and_frees_its_blocks(poisoned_sampler, n)
     assert [o.outputs[0].token_ids for o in outs] == alone  # the batch did not notice
     assert all(o.error is None and o.outputs[0].finish_reason == "length" for o in outs)
     assert bad_id not in engine.requests and not engine.has_unfinished()
-    assert engine.pool.num_free == engine.pool.num_blocks
+    assert engine.cache.pool.num_free == engine.cache.pool.num_blocks
 
 
 def test_a_failure_reaches_the_caller_as_an_errored_output(poisoned_sampler):
@@ -70,7 +70,7 @@ def test_unsamplable_looking_values_are_served_in_a_batch():
     assert all(o.error is None and o.outputs[0].finish_reason == "length" for o in outs)
     want = outs[0].outputs[0].token_ids  # both are the argmax: one token has all the mass
     assert outs[1].outputs[0].token_ids == outs[2].outputs[0].token_ids == want
-    assert engine.pool.num_free == engine.pool.num_blocks
+    assert engine.cache.pool.num_free == engine.cache.pool.num_blocks
 
 
 def test_a_request_the_cache_could_never_hold_is_refused_at_admission():

@@ -62,4 +62,4 @@ def test_abandoned_stream_aborts_its_request(llm):
     next(stream)
     stream.close()
     assert not llm.engine.has_unfinished()
-    assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
+    assert llm.engine.cache.pool.num_free == llm.engine.cache.pool.num_blocks

@@ -5,12 +5,11 @@ import re
 
 import pytest
 
-from kvabi.cache.block_pool import BlockPool
-from kvabi.cache.prefix_cache import PrefixCache
 from kvabi.cache.tier_config import TierConfig
 from kvabi.engine.sampling_params import SamplingParams
 from kvabi.engine.scheduler import BlockCopy, Scheduler, SchedulerConfig
 from kvabi.engine.sequence import Sequence
+from tests.cache.tiny import tiny_cache
 from tests.engine.tiny import run_all, tiny_engine
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -27,9 +26,9 @@ def one_by_one(engine, prompts, params=GREEDY):
     """Each prompt alone; returns its tokens and the cached tokens its lookup found."""
     out, hits = [], []
     for p in prompts:
-        before = engine.stats.prefix.hit_tokens
+        before = engine.cache.stats.prefix.hit_tokens
         out += tokens(engine, [p], params)
-        hits.append(engine.stats.prefix.hit_tokens - before)
+        hits.append(engine.cache.stats.prefix.hit_tokens - before)
     return out, hits
 
 
@@ -61,8 +60,9 @@ def _step(sched):
 
 
 def test_admission_reuses_exact_blocks_and_copies_a_cached_block_before_writing_it():
-    pool = BlockPool(8)
-    sched = Scheduler(SchedulerConfig(), pool, 4, PrefixCache(pool, 4, "0" * 32))
+    cache = tiny_cache(8)
+    pool = cache.pool
+    sched = Scheduler(SchedulerConfig(), cache)
     a = _seq(0, range(10))
     sched.add(a)
     _step(sched)
@@ -90,9 +90,9 @@ def test_forked_samples_share_the_partial_block_until_they_write_it():
     engine.step()  # prefill, sample, fork
     seqs = engine.requests[rid]
     assert all(s.block_ids == seqs[0].block_ids for s in seqs)
-    assert engine.pool.ref_counts[seqs[0].block_ids[5]] == 3
+    assert engine.cache.pool.ref_counts[seqs[0].block_ids[5]] == 3
     engine.step()  # each writes token 21 into block 5: the first two copy it, the last owns it
-    assert engine.stats.num_cow_copies == 2
+    assert engine.cache.stats.num_cow_copies == 2
     assert (
         len({s.block_ids[5] for s in seqs}) == 3 and seqs[2].block_ids[:5] == seqs[0].block_ids[:5]
     )

@@ -1,4 +1,4 @@
-"""`LLMEngine.on_prompt_layer`: called on the engine thread after each layer's K/V of the step
+"""`EngineHooks.on_prompt_layer`: called on the engine thread after each layer's K/V of the step
 that completes a prompt are stored (and only that step), with those prompts' sequences; the
 layer's K/V are already in storage when it runs, and the outputs do not change."""
 
@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import torch
 
-from kvabi.engine.engine import EngineConfig, LLMEngine
+from kvabi.cache.kv_cache import KVCache
+from kvabi.engine.engine import EngineConfig, EngineHooks, LLMEngine
 from kvabi.engine.sampling_params import SamplingParams
 from tests.engine.tiny import tiny_loaded
 
 
-def _engine() -> LLMEngine:
+def _engine(hook=None) -> LLMEngine:
     config = EngineConfig(block_size=4, num_blocks=32, max_num_batched_tokens=8)
-    return LLMEngine(tiny_loaded(layers=3), config)
+    return LLMEngine(tiny_loaded(layers=3), config, hooks=EngineHooks(on_prompt_layer=hook))
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, list[int]]:
@@ -28,15 +29,15 @@ def _run(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, list[int]]:
 
 
 def test_the_hook_sees_each_layer_of_the_step_that_completes_a_prompt():
-    engine, calls, stored = _engine(), [], []
+    calls, stored = [], []
 
-    def hook(layer_id: int, seqs: tuple) -> None:
+    def hook(cache: KVCache, layer_id: int, seqs: tuple) -> None:
         calls.append((layer_id, tuple(s.request_id for s in seqs)))
         seq = seqs[0]  # this layer's K/V of every prompt token are in storage now
-        k, _ = engine.storage.gather(layer_id, torch.tensor(seq.block_ids), len(seq.prompt_ids))
+        k, _ = cache.storage.gather(layer_id, torch.tensor(seq.block_ids), len(seq.prompt_ids))
         stored.append(bool(k.abs().sum(-1).all()))
 
-    engine.on_prompt_layer = hook
+    engine = _engine(hook)
     outs = _run(engine, [list(range(1, 14)), list(range(20, 25))])  # 13 tokens: 2 chunks of 8
     # step 1: 8 tokens of req-0; step 2: its last 5 (done) + 3 of req-1; step 3: req-1 done
     first, second = outs

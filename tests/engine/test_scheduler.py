@@ -1,7 +1,7 @@
-from kvabi.cache.block_pool import BlockPool
 from kvabi.engine.sampling_params import SamplingParams
 from kvabi.engine.scheduler import Scheduler, SchedulerConfig
 from kvabi.engine.sequence import SeqStatus, Sequence
+from tests.cache.tiny import tiny_cache
 
 
 def _seq(i, n):
@@ -16,8 +16,8 @@ def _run(sched, batch):
 
 
 def test_chunked_prefill_budget_and_exact_block_ids():
-    pool = BlockPool(10)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=6), pool, 4)
+    cache = tiny_cache(10, prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=6), cache)
     a, b = _seq(0, 9), _seq(1, 3)
     sched.add(b)
     sched.add(a)  # older arrival goes first whatever the order of adding
@@ -32,8 +32,9 @@ def test_chunked_prefill_budget_and_exact_block_ids():
 
 
 def test_preemption_takes_the_newest_and_requeues_it_in_arrival_order():
-    pool = BlockPool(3)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), pool, 4)
+    cache = tiny_cache(3, prefix_caching=False)
+    pool = cache.pool
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), cache)
     a, b = _seq(0, 4), _seq(1, 4)
     sched.add(a)
     sched.add(b)
@@ -51,7 +52,7 @@ def test_preemption_takes_the_newest_and_requeues_it_in_arrival_order():
 
 
 def test_max_num_seqs_caps_admission():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=2), BlockPool(20), 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2), tiny_cache(20, prefix_caching=False))
     for i in range(3):
         sched.add(_seq(i, 2))
     assert [s.seq.seq_id for s in sched.schedule().seqs] == [0, 1]

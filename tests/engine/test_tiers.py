@@ -83,7 +83,7 @@ def test_the_disk_tier_warm_starts_and_refuses_another_models_files(tmp_path, re
     first = tiny_engine(block_size=4, tiers=config)
     assert tokens(first, P, SESSION) == reference[tuple(P)]  # idle session: written down
     first.close()
-    ours = first.tiers.tier("disk").dir
+    ours = first.cache.tiers.tier("disk").dir
     files = sorted(p.name for p in ours.iterdir())
     assert len(files) == 6
     restarted = tiny_engine(block_size=4, tiers=config)
@@ -96,7 +96,7 @@ def test_the_disk_tier_warm_starts_and_refuses_another_models_files(tmp_path, re
     other = other_model()
     want = tokens(other, P)
     assert other.cache_stats()["tier_disk_hit_tokens"] == 0  # its own folder: nothing there
-    planted = other.tiers.tier("disk").path(_first_hash(other, P))
+    planted = other.cache.tiers.tier("disk").path(_first_hash(other, P))
     planted.write_bytes((ours / files[0]).read_bytes())  # model tiny's entry, under its name
     again = other_model()  # warm start lists the planted file
     assert tokens(again, P) == want
@@ -106,10 +106,7 @@ def test_the_disk_tier_warm_starts_and_refuses_another_models_files(tmp_path, re
 
 
 def _first_hash(engine, prompt):
-    root = engine.prefix.root()
-    hashes: list[bytes] = []
-    engine.prefix.extend_hashes(hashes, root, prompt)
-    return hashes[0]
+    return engine.cache.hasher.hashes(prompt)[0]
 
 
 def test_a_corrupt_disk_entry_is_a_miss_and_is_removed(tmp_path, reference):
@@ -117,9 +114,8 @@ def test_a_corrupt_disk_entry_is_a_miss_and_is_removed(tmp_path, reference):
     tokens(engine, P, SESSION)
     engine.flush_tiers()
     engine.reset_prefix_cache()
-    disk = engine.tiers.tier("disk")
-    hashes: list[bytes] = []
-    engine.prefix.extend_hashes(hashes, engine.prefix.root(), P)
+    disk = engine.cache.tiers.tier("disk")
+    hashes = engine.cache.hasher.hashes(P)
     broken = disk.path(hashes[2])
     broken.write_bytes(broken.read_bytes()[:-500])  # truncated
     assert tokens(engine, P) == reference[tuple(P)]
@@ -207,12 +203,12 @@ def test_a_bad_value_in_redis_costs_no_request_and_no_block(redis_server, refere
     assert tokens(engine, P) == reference[tuple(P)]
     assert tokens(engine, Q) == reference[tuple(Q)]  # evicts P's tail to Redis
     engine.flush_tiers()
-    client = engine.tiers.tier("redis").client
+    client = engine.cache.tiers.tier("redis").client
     client.set("kvabi:bytes", b"12x34")
     for _ in range(3):
         assert tokens(engine, P) == reference[tuple(P)]
         assert tokens(engine, Q) == reference[tuple(Q)]
-        assert engine.pool.num_free == engine.pool.num_blocks
+        assert engine.cache.pool.num_free == engine.cache.pool.num_blocks
     assert engine.cache_stats()["tier_redis_failures"] >= 1
     client.set("kvabi:bytes", str(sum(len(client.get(k)) for k in client.keys("kvabi:block:*"))))
     time.sleep(0.25)  # back up: the tier serves again

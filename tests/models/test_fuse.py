@@ -31,7 +31,7 @@ def test_fused_cpu_kernels_keep_the_model_outputs():
     kernels = cpu_kernels()
     assert kernels is not None
     for dtype in (torch.float32, torch.bfloat16):
-        model = tiny_loaded(dtype=dtype).model.fuse_projections()
+        model = tiny_loaded(dtype=dtype).model.use_kernels(None)  # loaded with kernels on
         ids = random_ids(12)
         with torch.inference_mode():
             before = model(ids, torch.arange(12), ContiguousAttention(TINY["num_hidden_layers"]))

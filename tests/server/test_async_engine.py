@@ -39,7 +39,7 @@ def test_abort_of_a_running_request_frees_its_blocks():
         async for _ in handle.updates():
             break  # it has a token: it holds blocks
         await _until(lambda: loop.snapshot.num_running == 1)
-        assert loop.snapshot.num_free_blocks < engine.pool.num_blocks
+        assert loop.snapshot.num_free_blocks < engine.cache.pool.num_blocks
         assert loop.abort(handle) and not loop.abort(handle)  # the second is a no-op
         await _until(lambda: loop.snapshot.num_running == 0)
         snapshot = loop.snapshot
@@ -88,7 +88,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_serves_on():
         return after
 
     assert asyncio.run(main()).outputs[0].finish_reason == "length"
-    assert engine.pool.num_free == engine.pool.num_blocks
+    assert engine.cache.pool.num_free == engine.cache.pool.num_blocks
 
 
 def test_the_server_answers_503_with_retry_after_when_full():

@@ -4,18 +4,21 @@ router's tokenize route with the ids and hash root the pool hashes with."""
 import time
 
 import msgpack
+import pytest
 import zmq
 
 from kvabi.abi.block_hash import hash_blocks, root_hash
+from kvabi.server.kv_roles import server_hooks
 from kvabi.server.launch import free_port
+from kvabi.server.settings import ServerSettings
 from tests.server.tiny_server import app_for, tiny_chat_engine, with_client
 
 IDS = [5, 6, 7, 8, 9, 10, 11, 12, 13]  # two full blocks of 4, and one token more
 
 
 def test_a_request_publishes_its_full_blocks_with_their_exact_hashes():
-    engine = tiny_chat_engine()
     endpoint = f"tcp://127.0.0.1:{free_port()}"
+    engine = tiny_chat_engine(server_hooks(ServerSettings("tiny", kv_events=endpoint)))
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -47,7 +50,7 @@ def test_a_request_publishes_its_full_blocks_with_their_exact_hashes():
             "lora_name": None,
         }
     ]
-    assert engine.pool.events is not None
+    assert engine.cache.pool.events is engine.hooks.block_events is not None
 
 
 def test_tokenize_answers_the_chat_prompt_ids_and_the_salted_hash_root():
@@ -73,4 +76,10 @@ def test_tokenize_answers_the_chat_prompt_ids_and_the_salted_hash_root():
     }
     assert plain.json() == {"token_ids": IDS, "hash_root": root_hash(digest).hex(), "block_size": 4}
     assert wrong.status_code == 404
-    assert engine.pool.events is None  # no --kv-events: no sink, nothing published
+    assert engine.cache.pool.events is None  # no --kv-events: no sink, nothing published
+
+
+def test_publishing_needs_an_engine_built_with_the_event_log():
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    with pytest.raises(ValueError, match="server_hooks"):
+        with_client(app_for(tiny_chat_engine(), kv_events=endpoint), lambda client: None)

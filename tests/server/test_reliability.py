@@ -50,7 +50,7 @@ def test_a_request_that_fails_sampling_fails_alone(poisoned_sampler):
     bad_events = sse_events(bad_streamed.text)
     assert "probability tensor" in bad_events[-2]["error"]["message"] and bad_events[-1] == "[DONE]"
     engine = app.state.serving.engine
-    assert engine.pool.num_free == engine.pool.num_blocks and not engine.requests
+    assert engine.cache.pool.num_free == engine.cache.pool.num_blocks and not engine.requests
 
 
 def test_health_reports_an_engine_that_has_work_but_makes_no_progress():

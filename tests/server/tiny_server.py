@@ -12,7 +12,7 @@ from typing import TypeVar
 import httpx
 from fastapi import FastAPI
 
-from kvabi.engine.engine import EngineConfig, LLMEngine
+from kvabi.engine.engine import EngineConfig, EngineHooks, LLMEngine
 from kvabi.models.registry import LoadedModel
 from kvabi.models.tokenizer import Tokenizer
 from kvabi.server.app import create_app
@@ -36,9 +36,9 @@ def chat_loaded(seed: int = 0) -> LoadedModel:
     )
 
 
-def tiny_chat_engine(**config: object) -> LLMEngine:
+def tiny_chat_engine(hooks: EngineHooks = EngineHooks(), **config: object) -> LLMEngine:
     config = {"block_size": 4, "num_blocks": 256, **config}
-    return LLMEngine(chat_loaded(), EngineConfig(**config), fingerprint="tiny")
+    return LLMEngine(chat_loaded(), EngineConfig(**config), fingerprint="tiny", hooks=hooks)
 
 
 def tiny_folder(path: Path) -> Path:

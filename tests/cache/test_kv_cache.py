@@ -1,17 +1,21 @@
+"""`KVCache`: the prefix match over the pool's index, and the block API (export, import)."""
+
+import pytest
+
 from kvabi.abi.block_hash import hash_blocks, root_hash
-from kvabi.cache.block_pool import BlockPool
-from kvabi.cache.prefix_cache import NO_MATCH, MatchResult, PrefixCache
+from kvabi.cache.block_hasher import BlockHasher
+from kvabi.cache.kv_cache import NO_MATCH, MatchResult
+from tests.cache.tiny import tiny_cache
 
 DIGEST = "0273b6b1e5590f4c68ab2e1a6b4ed70a"
 TOKENS = list(range(100, 110))  # 10 tokens: 2 full blocks of 4 and a partial one
 
 
 def cache_with_chain(tokens, salt=None, num_blocks=8):
-    """A pool whose blocks 0, 1, ... hold the full blocks of `tokens`, all free and cached."""
-    prefix = PrefixCache(BlockPool(num_blocks), 4, DIGEST)
-    root = prefix.root(salt)
-    hashes: list[bytes] = []
-    prefix.extend_hashes(hashes, root, tokens)
+    """A cache whose blocks 0, 1, ... hold the full blocks of `tokens`, all free and cached."""
+    prefix = tiny_cache(num_blocks)
+    root = prefix.hasher.root(salt)
+    hashes = prefix.hasher.hashes(tokens, salt)
     ids = prefix.pool.allocate(len(hashes))
     prefix.cache_blocks(ids, hashes, tokens, 0, len(ids))
     prefix.pool.free(ids)
@@ -20,22 +24,29 @@ def cache_with_chain(tokens, salt=None, num_blocks=8):
 
 def hashes_of(prefix, root, tokens):
     out: list[bytes] = []
-    prefix.extend_hashes(out, root, tokens)
+    prefix.hasher.extend(out, root, tokens)
     return out
 
 
 def test_hashes_are_the_abi_chain_and_extend_incrementally():
-    prefix = PrefixCache(BlockPool(1), 4, DIGEST)
-    root = prefix.root("tenant-a")
+    hasher = BlockHasher(DIGEST, 4)
+    root = hasher.root("tenant-a")
     assert root == root_hash(DIGEST, {"cache_salt": "tenant-a"})
-    assert prefix.root("tenant-a") is root  # memoised
+    assert hasher.root("tenant-a") is root  # memoised
     hashes: list[bytes] = []
-    prefix.extend_hashes(hashes, root, TOKENS[:5])
+    hasher.extend(hashes, root, TOKENS[:5])
     assert len(hashes) == 1
-    prefix.extend_hashes(hashes, root, TOKENS)  # the sequence grew
-    assert hashes == hash_blocks(TOKENS, 4, root)
-    keys = prefix.keys(hashes, TOKENS)
+    hasher.extend(hashes, root, TOKENS)  # the sequence grew
+    assert hashes == hash_blocks(TOKENS, 4, root) == hasher.hashes(TOKENS, "tenant-a")
+    keys = hasher.keys(TOKENS, "tenant-a")
     assert [k.token_ids for k in keys] == [(100, 101, 102, 103), (104, 105, 106, 107)]
+    assert [k.parent_hash for k in keys] == [None, hashes[0]]
+    assert [k.block_hash for k in hasher.keys_of(hashes, TOKENS, 1, 2)] == hashes[1:]
+
+
+def test_an_empty_salt_is_refused_not_read_as_no_salt():
+    with pytest.raises(ValueError, match="cache_salt"):
+        BlockHasher(DIGEST, 4).root("")
 
 
 def test_match_returns_the_longest_pooled_run_with_exact_block_ids():
@@ -58,9 +69,9 @@ def test_a_fully_cached_prompt_leaves_its_last_token_to_compute():
 
 def test_a_cache_salt_changes_every_hash_so_tenants_never_share():
     prefix, root = cache_with_chain(TOKENS, salt="tenant-a")
-    plain = hashes_of(prefix, prefix.root(), TOKENS)
-    other = hashes_of(prefix, prefix.root("tenant-b"), TOKENS)
-    same = hashes_of(prefix, prefix.root("tenant-a"), TOKENS)
+    plain = hashes_of(prefix, prefix.hasher.root(), TOKENS)
+    other = hashes_of(prefix, prefix.hasher.root("tenant-b"), TOKENS)
+    same = hashes_of(prefix, prefix.hasher.root("tenant-a"), TOKENS)
     assert prefix.match(plain, 10) == NO_MATCH and prefix.match(other, 10) == NO_MATCH
     assert prefix.match(same, 10) == MatchResult(8, (0, 1))
     assert not set(plain) & set(same)
@@ -69,6 +80,6 @@ def test_a_cache_salt_changes_every_hash_so_tenants_never_share():
 def test_pooled_blocks_follows_the_given_order_and_skips_evicted():
     prefix, root = cache_with_chain(TOKENS)
     hashes = hashes_of(prefix, root, TOKENS)
-    assert prefix.pooled_blocks(hashes) == [0, 1] and prefix.num_pooled(hashes) == 2
+    assert prefix._pooled_ids(hashes) == [0, 1] and prefix.num_pooled(hashes) == 2
     prefix.pool.allocate(prefix.pool.num_free - 1)  # evicts block 1 (the tail) first
-    assert prefix.pooled_blocks(hashes) == [0] and prefix.num_pooled(hashes) == 1
+    assert prefix._pooled_ids(hashes) == [0] and prefix.num_pooled(hashes) == 1
