@@ -3,7 +3,7 @@
 # (torch==2.13.0+cpu, transformers>=5.16.1,<5.20) conflict with ours (transformers 5.24), so
 # no `pip install kvabi[vllm]` extra can hold both. `kvabi bench throughput` runs
 # kvabi/bench/vllm_worker.py with this env's python; the interop hand-offs run
-# kvabi/bench/vllm_kv_worker.py there with the repo on PYTHONPATH (kvabi's abi/wire/interop
+# kvabi/connectors/vllm_kv_worker.py there with the repo on PYTHONPATH (kvabi's abi/wire/interop
 # layers need only torch, numpy and xxhash; its KV connector's Redis tier, redis-py).
 # Idempotent: a finished install leaves .venv-vllm/.installed and a second run only checks
 # kvabi's own needs.

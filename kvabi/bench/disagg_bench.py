@@ -27,9 +27,9 @@ from kvabi.abi.descriptor import Descriptor
 from kvabi.abi.presets import preset_descriptor
 from kvabi.bench.report import print_table, write_json
 from kvabi.bench.transfer_peer import make_transport, token_ids
-from kvabi.disagg.kv_staging import stage_payload
-from kvabi.disagg.nixl_memory import is_nixl_available
-from kvabi.disagg.transport import FetchRequest
+from kvabi.transfer.kv_staging import stage_payload
+from kvabi.transfer.nixl_memory import is_nixl_available
+from kvabi.transfer.transport import FetchRequest
 
 
 def run(quick: bool, json_path: str | None, model_name: str = "smollm2-135m") -> dict:

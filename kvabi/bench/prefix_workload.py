@@ -108,7 +108,8 @@ def replay_hit_rate(
 ) -> float:
     """The hit rate of a pool of `num_blocks` on the trace, one request at a time, no model."""
     layer = LayerSpec(ATTN, 1, 1, 1)  # the replay needs ids and hashes, hardly any storage
-    desc = preset_descriptor("vllm-flash-attn", ModelSpec((layer,), DIGEST), block_size, "f32")
+    model = ModelSpec((layer,), DIGEST)
+    desc = preset_descriptor("vllm-flash-attn", model, block_size=block_size, dtype="f32")
     config = SchedulerConfig(max_num_batched_tokens=max(len(p) for p in prompts) + max_tokens)
     sched = Scheduler(config, KVCache(desc, num_blocks))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)

@@ -129,7 +129,7 @@ def _command(engine: str, dtype: str, wpath: Path, out: Path, tmp: str) -> list[
             "-c",
             "raise SystemExit('vLLM not installed: run scripts/setup_vllm.sh')",
         ]
-    from kvabi.bench.hf_export import export_hf_folder
+    from kvabi.models.hf_export import export_hf_folder
     from kvabi.models.registry import load_model
 
     folder = export_hf_folder(load_model(dtype=dtype, progress=False), Path(tmp) / "hf")

@@ -18,13 +18,13 @@ import threading
 
 import torch
 
-from kvabi.abi.block_hash import hash_blocks, root_hash
 from kvabi.abi.buffers import CacheBuffers, allocate
 from kvabi.abi.catalog import catalog_model
 from kvabi.abi.descriptor import Descriptor
 from kvabi.abi.presets import preset_descriptor
-from kvabi.disagg.tcp_transport import TcpTransport
-from kvabi.disagg.transport import KVPayload, Transport, TransportConfig
+from kvabi.cache.block_hasher import BlockHasher
+from kvabi.transfer.tcp_transport import TcpTransport
+from kvabi.transfer.transport import KVPayload, Transport, TransportConfig
 from kvabi.wire.container_writer import container_bytes
 
 SECRET = b"kvabi-bench-disagg-secret"
@@ -45,7 +45,7 @@ def payload(desc: Descriptor, num_tokens: int) -> KVPayload:
         for k, v in allocate(desc, num_tokens // bs).items()
     }
     ids = token_ids(num_tokens)
-    hashes = hash_blocks(ids, bs, root_hash(desc.model.compat_digest()))
+    hashes = BlockHasher(desc.model.compat_digest(), bs).hashes(ids)
     return KVPayload(0, ids, tuple(hashes), CacheBuffers(desc, tensors))
 
 
@@ -70,7 +70,7 @@ def main(model_name: str, num_tokens: int, transport: str) -> None:
 def make_transport(name: str) -> Transport:
     config = TransportConfig(SECRET)
     if name == "nixl":
-        from kvabi.disagg.nixl_transport import NixlTransport
+        from kvabi.transfer.nixl_transport import NixlTransport
 
         return NixlTransport(config)
     return TcpTransport(config)

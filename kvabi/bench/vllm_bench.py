@@ -35,7 +35,7 @@ import torch
 
 from kvabi.bench.report import best_seconds, print_table, write_json
 from kvabi.bench.serve_load import WORDS
-from kvabi.bench.vllm_handoff import VLLM_PYTHON, Handoff, prepare, run_connector_worker
+from kvabi.connectors.vllm_handoff import VLLM_PYTHON, Handoff, prepare, run_connector_worker
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ The pool reports each change to a `BlockEventSink` it is given (none: no events)
 registered under its hash (`stored`), a cached block evicted or dropped (`removed`), the whole
 index emptied (`cleared`). `BlockEventLog` is the sink a publisher drains; it merges a chain's
 consecutive blocks into one `BlockStored` and consecutive removals into one `BlockRemoved`, the
-shape of vLLM's KV events (`kvabi/disagg/kv_event_codec.py` puts them on the wire).
+shape of vLLM's KV events (`kvabi/routing/kv_event_codec.py` puts them on the wire).
 Thread safe: the engine thread records, a publisher thread drains.
 """
 

@@ -47,6 +47,16 @@ NO_MATCH = MatchResult(0, ())
 
 
 @dataclass(frozen=True)
+class FetchRequest:
+    """KV wanted for `token_ids` (a whole prompt) from token `start_token` on; the blocks
+    before it the asker already holds. `start_token` is a multiple of both block sizes."""
+
+    token_ids: tuple[int, ...]
+    start_token: int = 0
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
 class KVPayload:
     """Blocks of a prompt's KV: tokens `start_token .. start_token + len(token_ids) - 1` in
     the sender's layout (`cache.extent` blocks), with the sender's block hashes of them."""

@@ -37,8 +37,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
 def cmd_router(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from kvabi.disagg.prefix_routing import EventSource
-    from kvabi.disagg.router import PrefillTarget, RouterConfig, create_router_app
+    from kvabi.routing.prefix_routing import EventSource
+    from kvabi.routing.router import PrefillTarget, RouterConfig, create_router_app
     from kvabi.server.http_limits import (
         BodyDeadline,
         BodyTimeout,

@@ -151,7 +151,7 @@ def banner(model: str, host: str, port: int, has_key: bool) -> str:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvabi.engine.llm import LLM
-    from kvabi.server.kv_roles import server_hooks
+    from kvabi.server.app import server_hooks
     from kvabi.server.launch import run_server
     from kvabi.server.settings import ServerSettings
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvabi.disagg.nixl_memory import is_nixl_available
-from kvabi.disagg.nixl_transport import NixlTransport
-from kvabi.disagg.peer_backoff import PeerBackoff
-from kvabi.disagg.tcp_transport import TcpTransport
-from kvabi.disagg.transport import Transport, TransportConfig, split_address
+from kvabi.transfer.nixl_memory import is_nixl_available
+from kvabi.transfer.nixl_transport import NixlTransport
+from kvabi.transfer.peer_backoff import PeerBackoff
+from kvabi.transfer.tcp_transport import TcpTransport
+from kvabi.transfer.transport import Transport, TransportConfig, split_address
 
 ROLES = ("prefill", "decode")
 TRANSPORTS: dict[str, type[Transport]] = {"tcp": TcpTransport, "nixl": NixlTransport}

@@ -73,7 +73,7 @@ class EngineHooks:
 
     # Called on the engine thread once a layer's K/V of a step are stored, with the sequences
     # whose prompt that step completes (a prefill instance sends a prompt's KV layer by
-    # layer: kvabi/server/kv_roles.py). It must not raise.
+    # layer: kvabi/disagg/roles.py). It must not raise.
     on_prompt_layer: PromptLayerHook | None = None
     block_events: BlockEventSink | None = None  # told of each change to the cached blocks
 

@@ -5,7 +5,7 @@ whose (block, head) slab holds the K half then the V half, packed by the ISA its
 builder picked (`layer.isa`). That tensor is, byte for byte, the preset's buffer
 `[num_blocks, H, 2, block_size * D]`: the adapter only re-views it (no copy). Block 0 is
 vLLM's null block and never holds a sequence's KV. vllm itself is never imported here: the
-caller hands over the tensors (kvabi/bench/vllm_kv_worker.py runs inside vLLM's process).
+caller hands over the tensors (kvabi/connectors/vllm_kv_worker.py runs inside vLLM's process).
 """
 
 from __future__ import annotations

@@ -22,13 +22,14 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
+from kvabi.cache.block_events import BlockEventLog
+from kvabi.disagg.roles import DecodeRole, PrefillRole, PromptFeeds
 from kvabi.disagg.settings import DisaggSettings
-from kvabi.engine.engine import LLMEngine
-from kvabi.server.async_engine import AsyncEngine
+from kvabi.engine.async_engine import AsyncEngine
+from kvabi.engine.engine import EngineHooks, LLMEngine
 from kvabi.server.errors import APIError, from_validation_error
 from kvabi.server.http_limits import BodyDeadline, BodyTimeout, body_timeout_response
 from kvabi.server.kv_events import start_publisher, tokenize_routes
-from kvabi.server.kv_roles import DecodeRole, PrefillRole
 from kvabi.server.metrics import ServerMetrics
 from kvabi.server.middleware import BodyLimit, CountResponses
 from kvabi.server.prompts import PreparedRequest, prepare_chat, prepare_completion
@@ -41,6 +42,16 @@ log = logging.getLogger("kvabi.server")
 M = TypeVar("M", bound=BaseModel)
 R = TypeVar("R", CompletionRequest, ChatRequest)
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+def server_hooks(settings: ServerSettings, disagg: DisaggSettings | None = None) -> EngineHooks:
+    """What a server's engine is built with: a block-event log to publish (`--kv-events`), and
+    on a prefill instance whose transport streams layers, the feeds that send them."""
+    events = BlockEventLog("CPU") if settings.kv_events is not None else None  # host memory
+    feeds = None
+    if disagg is not None and disagg.role == "prefill" and disagg.transport_type.streams_layers:
+        feeds = PromptFeeds()
+    return EngineHooks(on_prompt_layer=feeds, block_events=events)
 
 
 def create_app(

@@ -2,12 +2,12 @@
 prefix-aware router asks for a request's token ids and hash root.
 
 `kvabi serve --kv-events tcp://127.0.0.1:PORT` (any role) builds the engine with a
-`BlockEventLog` (`server_hooks`) and publishes it (kvabi/disagg/kv_event_publisher.py). The
+`BlockEventLog` (`server_hooks`) and publishes it (kvabi/routing/kv_event_publisher.py). The
 router cannot hash a request by itself: the tokenizer, the chat template and the model's
 compat digest live here, so `POST /kvabi/tokenize/v1/completions` (or `/v1/chat/completions`)
 takes the very body the generation route takes and answers `{"token_ids", "hash_root",
 "block_size"}`; the router hashes the ids for each block size its instances use (docs:
-kvabi/disagg/router.py).
+kvabi/routing/router.py).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
 from kvabi.cache.block_events import BlockEventLog
-from kvabi.disagg.kv_event_publisher import KVEventPublisher
 from kvabi.engine.engine import LLMEngine
+from kvabi.routing.kv_event_publisher import KVEventPublisher
 from kvabi.server.errors import APIError, from_validation_error
 from kvabi.server.prompts import PreparedRequest, prepare_chat, prepare_completion
 from kvabi.server.protocol import ChatRequest, CompletionRequest

@@ -18,8 +18,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvabi.cache.cache_stats import TAG_FIGURES
-from kvabi.server.async_engine import EngineSnapshot
-from kvabi.server.request_handle import Progress, RequestHandle
+from kvabi.engine.async_engine import EngineSnapshot
+from kvabi.engine.request_handle import Progress, RequestHandle
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 

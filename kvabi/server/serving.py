@@ -13,17 +13,17 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kvabi.disagg.roles import KV_HEADER, PEER_HEADER, DecodeRole
+from kvabi.engine.async_engine import AsyncEngine, OverloadedError
 from kvabi.engine.deltas import DeltaTracker
 from kvabi.engine.engine import LLMEngine
 from kvabi.engine.outputs import RequestOutput
-from kvabi.server.async_engine import AsyncEngine, OverloadedError
+from kvabi.engine.request_handle import EngineError, RequestHandle
 from kvabi.server.disconnect import ClientDisconnected, EventStream, cancel_on_disconnect
 from kvabi.server.errors import APIError
-from kvabi.server.kv_roles import KV_HEADER, PEER_HEADER, DecodeRole
 from kvabi.server.metrics import ServerMetrics
 from kvabi.server.prompts import PreparedRequest
 from kvabi.server.protocol import GenerationRequest
-from kvabi.server.request_handle import EngineError, RequestHandle
 from kvabi.server.responses import Responses
 from kvabi.server.settings import ServerSettings
 

@@ -9,7 +9,7 @@ from kvabi.abi.catalog import catalog_model
 from kvabi.abi.presets import preset_descriptor
 from kvabi.bench.disagg_bench import transfer
 from kvabi.bench.transfer_peer import SRC_PRESET
-from kvabi.disagg.nixl_memory import is_nixl_available
+from kvabi.transfer.nixl_memory import is_nixl_available
 from kvabi.wire.container_format import container_size
 
 

@@ -8,7 +8,7 @@ from typing import TypeVar
 
 import httpx
 
-from kvabi.disagg.router import PrefillTarget, RouterConfig, create_router_app
+from kvabi.routing.router import PrefillTarget, RouterConfig, create_router_app
 from kvabi.server.launch import ServerProcess, free_port
 from tests.server.tiny_server import free_blocks
 

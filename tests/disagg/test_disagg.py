@@ -80,7 +80,7 @@ def test_a_stalled_or_corrupt_transfer_falls_back_to_decode_side_prefill(fleet):
 
 
 def test_an_incompatible_decode_instance_refuses_to_start(fleet, tmp_path):
-    from kvabi.bench.hf_export import export_hf_folder
+    from kvabi.models.hf_export import export_hf_folder
     from tests.server.tiny_server import chat_loaded
 
     other = str(export_hf_folder(chat_loaded(seed=1), tmp_path / "other"))

@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from kvabi.disagg.settings import DisaggSettings
-from kvabi.disagg.tcp_transport import TcpTransport
-from kvabi.disagg.transport import split_address
+from kvabi.transfer.tcp_transport import TcpTransport
+from kvabi.transfer.transport import split_address
 
 SECRET = b"0123456789abcdef"
 
@@ -33,9 +33,9 @@ def test_addresses_default_to_loopback():
 
 
 def test_nixl_without_the_package_is_a_clear_error(monkeypatch):
-    from kvabi.disagg.nixl_memory import NixlUnavailableError, load_nixl
-    from kvabi.disagg.nixl_transport import NixlTransport
-    from kvabi.disagg.transport import TransportConfig
+    from kvabi.transfer.nixl_memory import NixlUnavailableError, load_nixl
+    from kvabi.transfer.nixl_transport import NixlTransport
+    from kvabi.transfer.transport import TransportConfig
 
     monkeypatch.setitem(sys.modules, "nixl._api", None)  # as if nixl were not installed
     with pytest.raises(ValueError, match=r"nixl package is not installed .*kvabi\[nixl\]"):

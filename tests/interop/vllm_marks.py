@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvabi.bench.vllm_handoff import VLLM_PYTHON
+from kvabi.connectors.vllm_handoff import VLLM_PYTHON
 
 VLLM_MARKS = [
     pytest.mark.slow,

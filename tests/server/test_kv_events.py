@@ -8,7 +8,7 @@ import pytest
 import zmq
 
 from kvabi.abi.block_hash import hash_blocks, root_hash
-from kvabi.server.kv_roles import server_hooks
+from kvabi.server.app import server_hooks
 from kvabi.server.launch import free_port
 from kvabi.server.settings import ServerSettings
 from tests.server.tiny_server import app_for, tiny_chat_engine, with_client

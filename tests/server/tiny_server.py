@@ -43,7 +43,7 @@ def tiny_chat_engine(hooks: EngineHooks = EngineHooks(), **config: object) -> LL
 
 def tiny_folder(path: Path) -> Path:
     """The tiny chat model as an HF folder (fp32), for `kvabi serve --model FOLDER`."""
-    from kvabi.bench.hf_export import export_hf_folder
+    from kvabi.models.hf_export import export_hf_folder
 
     return export_hf_folder(chat_loaded(), path)
 

@@ -1,0 +1,102 @@
+"""Block events on the wire in vLLM's KV-event format (`vllm/distributed/kv_events.py`, 0.32).
+
+A batch is a msgpack array `[ts, events, data_parallel_rank]` (ts: float64 seconds since the
+epoch). Each event is a msgpack map whose first key `type` names it, then its fields in vLLM's
+order: `BlockStored` {block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+lora_name}, `BlockRemoved` {block_hashes, medium}, `AllBlocksCleared` {}. Fields vLLM leaves
+at their default (extra_keys, group_idx, ...) are omitted, as its encoder does. Hashes are bin
+(32-byte kvabi block hashes, docs/ABI.md section 4). Any msgpack reader can decode it, and vLLM's
+own `msgspec` decoder for `KVEventBatch` does (tests/routing/test_kv_event_codec.py).
+
+`decode_batch` also reads the older array form (`["BlockStored", hashes, ...]`) and skips event
+types it does not know, so a follower keeps up with newer publishers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from kvabi.cache.block_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
+
+STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id")
+STORED_FIELDS += ("medium", "lora_name")
+REMOVED_FIELDS = ("block_hashes", "medium")
+
+
+class EventDecodeError(ValueError):
+    """A payload that is not a KV event batch."""
+
+
+@dataclass(frozen=True)
+class EventBatch:
+    ts: float
+    events: tuple[BlockEvent, ...]
+    data_parallel_rank: int | None = None
+
+
+def encode_batch(events: list[BlockEvent], ts: float, data_parallel_rank: int = 0) -> bytes:
+    """One batch's msgpack bytes (what a publisher sends as the payload frame)."""
+    body = [float(ts), [_encode_event(e) for e in events], data_parallel_rank]
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def _encode_event(event: BlockEvent) -> dict[str, Any]:
+    if isinstance(event, BlockStored):
+        return {
+            "type": "BlockStored",
+            "block_hashes": list(event.block_hashes),
+            "parent_block_hash": event.parent_block_hash,
+            "token_ids": list(event.token_ids),
+            "block_size": event.block_size,
+            "lora_id": None,
+            "medium": event.medium,
+            "lora_name": None,
+        }
+    if isinstance(event, BlockRemoved):
+        return {
+            "type": "BlockRemoved",
+            "block_hashes": list(event.block_hashes),
+            "medium": event.medium,
+        }
+    return {"type": "AllBlocksCleared"}
+
+
+def decode_batch(payload: bytes) -> EventBatch:
+    """A batch from its msgpack bytes; raises EventDecodeError for anything else."""
+    try:
+        body = msgpack.unpackb(payload, raw=False)
+        ts, events, *rest = body
+        decoded = [_decode_event(e) for e in events]
+        return EventBatch(
+            float(ts), tuple(e for e in decoded if e is not None), rest[0] if rest else None
+        )
+    except EventDecodeError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, msgpack.UnpackException) as exc:
+        raise EventDecodeError(f"not a KV event batch: {exc}") from exc
+
+
+def _decode_event(raw: Any) -> BlockEvent | None:
+    if isinstance(raw, list | tuple):  # the array form: the tag, then the fields in order
+        kind = raw[0]
+        fields = STORED_FIELDS if kind == "BlockStored" else REMOVED_FIELDS
+        raw = {"type": kind, **dict(zip(fields, raw[1:], strict=False))}
+    if not isinstance(raw, dict):
+        raise EventDecodeError(f"an event must be a map or an array, got {type(raw).__name__}")
+    kind = raw.get("type")
+    if kind == "BlockStored":
+        return BlockStored(
+            tuple(raw["block_hashes"]),
+            raw.get("parent_block_hash"),
+            tuple(raw.get("token_ids") or ()),
+            int(raw["block_size"]),
+            raw.get("medium") or "GPU",
+        )
+    if kind == "BlockRemoved":
+        return BlockRemoved(tuple(raw["block_hashes"]), raw.get("medium") or "GPU")
+    if kind == "AllBlocksCleared":
+        return AllBlocksCleared()
+    return None  # a newer event type: not ours to follow

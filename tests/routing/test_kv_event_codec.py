@@ -1,0 +1,121 @@
+"""KV event batches on the wire: golden bytes, equal to what vLLM 0.32's own encoder writes for
+the same batch, and readable by vLLM's decoder (a subscriber that is not ours)."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from kvabi.cache.block_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvabi.routing.kv_event_codec import EventBatch, EventDecodeError, decode_batch, encode_batch
+
+VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+EVENTS = [
+    BlockStored((b"\x01" * 4,), None, (1, 2), 2, "CPU"),
+    BlockRemoved((b"\x02",), "CPU"),
+    AllBlocksCleared(),
+]
+# msgspec.msgpack.encode(KVEventBatch(ts=1.5, events=[BlockStored(block_hashes=[b"\1" * 4],
+# parent_block_hash=None, token_ids=[1, 2], block_size=2, lora_id=None, medium="CPU",
+# lora_name=None), BlockRemoved(block_hashes=[b"\2"], medium="CPU"), AllBlocksCleared()],
+# data_parallel_rank=0)) with vLLM 0.32.0
+GOLDEN = bytes.fromhex(
+    "93cb3ff8000000000000"  # [1.5,
+    "93"  # [
+    "88a474797065ab426c6f636b53746f726564"  # {"type": "BlockStored",
+    "ac626c6f636b5f68617368657391c40401010101"  # "block_hashes": [b"\1\1\1\1"],
+    "b1706172656e745f626c6f636b5f68617368c0"  # "parent_block_hash": None,
+    "a9746f6b656e5f696473920102"  # "token_ids": [1, 2],
+    "aa626c6f636b5f73697a6502"  # "block_size": 2,
+    "a76c6f72615f6964c0"  # "lora_id": None,
+    "a66d656469756da3435055"  # "medium": "CPU",
+    "a96c6f72615f6e616d65c0"  # "lora_name": None},
+    "83a474797065ac426c6f636b52656d6f766564"  # {"type": "BlockRemoved",
+    "ac626c6f636b5f68617368657391c40102"  # "block_hashes": [b"\2"],
+    "a66d656469756da3435055"  # "medium": "CPU"},
+    "81a474797065b0416c6c426c6f636b73436c6561726564"  # {"type": "AllBlocksCleared"}],
+    "00"  # 0]
+)
+
+VLLM_DECODE = """
+import sys, msgspec
+from vllm.distributed.kv_events import KVEventBatch
+batch = msgspec.msgpack.Decoder(KVEventBatch).decode(sys.stdin.buffer.read())
+out = [batch.ts, batch.data_parallel_rank]
+for e in batch.events:
+    d = {f: getattr(e, f) for f in e.__struct_fields__}
+    d = {k: (v.hex() if isinstance(v, bytes) else [x.hex() if isinstance(x, bytes) else x
+         for x in v] if isinstance(v, list) else v) for k, v in d.items()}
+    out.append([type(e).__name__, d])
+print("RESULT " + __import__("json").dumps(out))
+"""
+
+
+def test_encoding_is_the_golden_bytes():
+    assert encode_batch(EVENTS, 1.5, 0) == GOLDEN
+
+
+def test_decoding_round_trips_and_reads_the_older_array_form():
+    assert decode_batch(GOLDEN) == EventBatch(1.5, tuple(EVENTS), 0)
+    old = msgpack.packb(
+        [2.0, [["BlockStored", [b"h"], b"p", [7], 1, None], ["BlockRemoved", [b"h"], "GPU"]]]
+    )
+    assert decode_batch(old) == EventBatch(
+        2.0, (BlockStored((b"h",), b"p", (7,), 1, "GPU"), BlockRemoved((b"h",), "GPU")), None
+    )
+
+
+def test_unknown_event_types_are_skipped_and_garbage_is_refused():
+    payload = msgpack.packb([1.0, [{"type": "BlockTouched", "x": 1}, {"type": "AllBlocksCleared"}]])
+    assert decode_batch(payload).events == (AllBlocksCleared(),)
+    for bad in (b"\xc1", msgpack.packb({"ts": 1}), msgpack.packb([1.0, [3]])):
+        with pytest.raises(EventDecodeError):
+            decode_batch(bad)
+
+
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm with vLLM installed")
+def test_vllms_own_decoder_reads_our_batches():
+    h1, h2 = bytes(range(32)), bytes(range(32, 64))
+    events = [
+        BlockStored((h1, h2), None, tuple(range(8)), 4, "CPU"),
+        BlockStored((b"\x09" * 32,), h2, (8, 9, 10, 11), 4, "CPU"),
+        BlockRemoved((h2, h1), "CPU"),
+        AllBlocksCleared(),
+    ]
+    run = subprocess.run(
+        [str(VLLM_PYTHON), "-c", VLLM_DECODE],
+        input=encode_batch(events, 1700000000.25, 0),
+        capture_output=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    line = next(x for x in run.stdout.decode().splitlines() if x.startswith("RESULT "))
+    ts, rank, stored, chained, removed, cleared = json.loads(line[len("RESULT ") :])
+    assert (ts, rank) == (1700000000.25, 0)
+    assert stored == [
+        "BlockStored",
+        {
+            "block_hashes": [h1.hex(), h2.hex()],
+            "parent_block_hash": None,
+            "token_ids": list(range(8)),
+            "block_size": 4,
+            "lora_id": None,
+            "medium": "CPU",
+            "lora_name": None,
+            "extra_keys": None,
+            "group_idx": None,
+            "kv_cache_spec_kind": None,
+            "kv_cache_spec_sliding_window": None,
+            "locality": None,
+            "ownership": None,
+            "session_id": None,
+        },
+    ]
+    assert chained[1]["parent_block_hash"] == h2.hex()
+    assert chained[1]["block_hashes"] == ["09" * 32]
+    assert removed[0] == "BlockRemoved"
+    assert removed[1]["block_hashes"] == [h2.hex(), h1.hex()]
+    assert removed[1]["medium"] == "CPU"
+    assert cleared == ["AllBlocksCleared", {}]
