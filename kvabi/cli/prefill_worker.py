@@ -72,7 +72,7 @@ def hf_provider(args: argparse.Namespace, layout: str) -> Any:
     import torch
     import transformers
 
-    from kvabi.interop.hf_prefill import HFPrefillProvider
+    from kvabi.interop.foreign_prefill import HFPrefillProvider
     from kvabi.interop.model_spec import gguf_fingerprint, state_dict_fingerprint
     from kvabi.models.registry import resolve_model
 
@@ -99,7 +99,7 @@ def llamacpp_provider(args: argparse.Namespace, layout: str) -> Any:
     """A LlamaCppPrefillProvider over `--model` (a GGUF) loaded by llama-cpp-python."""
     import llama_cpp
 
-    from kvabi.interop.llamacpp_prefill import LlamaCppPrefillProvider
+    from kvabi.interop.foreign_prefill import LlamaCppPrefillProvider
     from kvabi.interop.model_spec import gguf_fingerprint
     from kvabi.models.registry import resolve_model
 

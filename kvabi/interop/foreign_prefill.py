@@ -1,18 +1,29 @@
-"""`ForeignPrefillProvider`: what every foreign engine's prefill instance shares.
+"""Foreign engines as prefill instances: `HFPrefillProvider` (HF transformers) and
+`LlamaCppPrefillProvider` (llama-cpp-python), over what both share (`ForeignPrefillProvider`).
 
-An engine that is not kvabi (HF transformers, llama.cpp) computes the KV of a prompt's full
-blocks in its own layout, positions 0..T-1 of one sequence (a subclass's `prefill`).
-`foreign_payload` does the rest, the same for every engine: re-blocks that cache into the
-instance's paged descriptor by the one conversion path (`kvabi.abi.convert`), hashes the blocks
-with the portable block hash (rooted at the model's compat digest and the request's cache salt,
-as a kvabi instance hashes them), and keeps the blocks from `start_token` on. The partial last
-block is neither computed nor sent: the decode side computes those few tokens itself.
+An engine that is not kvabi computes the KV of a prompt's full blocks in its own layout,
+positions 0..T-1 of one sequence (a subclass's `prefill`: HF's forward and its `DynamicCache`
+through `hf_cache.py`, preset `hf-dynamic`; llama.cpp's eval and its sequence state bytes
+through `llamacpp_model.py`, presets `llamacpp-*`). `foreign_payload` does the rest, the same
+for every engine: re-blocks that cache into the instance's paged descriptor by the one
+conversion path, hashes the blocks as a kvabi instance does (`BlockHasher`), and keeps the
+blocks from `start_token` on. The partial last block is neither computed nor sent: the decode
+side computes those few tokens itself. The decode side cannot tell such a peer from a kvabi
+prefill instance: same handshake, same container, same checks.
+
+The fingerprint must name the same weights as the decode instance's (equal fingerprints mean
+equal weights, docs/ABI.md): for a GGUF, `gguf_fingerprint` of the file both load. llama.cpp's
+descriptor is its own cache: its K/V dtype (f16 by default) and K's rotary dims in its `pairs`
+order (`model_spec_from_llama`); the decode side converts both on receipt.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
+
+import torch
 
 from kvabi.abi.buffers import CacheBuffers, buffer_specs
 from kvabi.abi.convert import convert
@@ -20,8 +31,14 @@ from kvabi.abi.descriptor import Descriptor, ModelSpec
 from kvabi.abi.presets import preset_descriptor
 from kvabi.cache.block_hasher import BlockHasher
 from kvabi.cache.kv_cache import FetchRequest, KVPayload
+from kvabi.interop.errors import UnsupportedTypeError
+from kvabi.interop.hf_cache import FLOAT_DTYPES, dynamic_cache_to_buffers
+from kvabi.interop.llamacpp_context import cache_format, get_seq_state
+from kvabi.interop.llamacpp_model import GGML_TYPE_NAMES, state_to_buffers
+from kvabi.interop.model_spec import model_spec_from_hf_config, model_spec_from_llama
 
 PrefillFn = Callable[[list[int]], CacheBuffers]  # token ids -> their KV, any layout
+FLOAT_TYPES = ("f32", "f16", "bf16")  # K/V types a paged kvabi layout holds unquantised
 
 
 class ForeignPrefillProvider:
@@ -71,3 +88,44 @@ def blocks_from(cache: CacheBuffers, first: int) -> CacheBuffers:
             for s in buffer_specs(cache.desc, cache.extent)
         },
     )
+
+
+class HFPrefillProvider(ForeignPrefillProvider):
+    """A `KVProvider` over an HF causal LM (one prompt at a time)."""
+
+    def __init__(
+        self, model: Any, fingerprint: str, block_size: int = 16, layout: str = "vllm-flash-attn"
+    ) -> None:
+        self.model = model.eval()
+        spec = model_spec_from_hf_config(model.config, fingerprint)
+        dtype = FLOAT_DTYPES[next(model.parameters()).dtype]
+        super().__init__(spec, dtype, block_size, layout)
+
+    def prefill(self, token_ids: list[int]) -> CacheBuffers:
+        """HF's forward over `token_ids`; its cache as `hf-dynamic` buffers."""
+        with torch.no_grad():
+            out = self.model(input_ids=torch.tensor([token_ids]), use_cache=True)
+        return dynamic_cache_to_buffers(out.past_key_values, self.spec)  # [H, T, D] per plane
+
+
+class LlamaCppPrefillProvider(ForeignPrefillProvider):
+    """A `KVProvider` over a `llama_cpp.Llama` (one prompt at a time, in its seq 0)."""
+
+    def __init__(
+        self, llm: Any, fingerprint: str, block_size: int = 16, layout: str = "vllm-flash-attn"
+    ) -> None:
+        self.llm = llm
+        fmt = cache_format(llm)
+        dtype = GGML_TYPE_NAMES.get(fmt.type_k, str(fmt.type_k))
+        if dtype not in FLOAT_TYPES or fmt.type_v != fmt.type_k:
+            raise UnsupportedTypeError(
+                f"llama.cpp K/V types {fmt.type_k}/{fmt.type_v}: a prefill worker sends "
+                f"unquantised K/V of one type, one of {FLOAT_TYPES}"
+            )
+        super().__init__(model_spec_from_llama(llm, fingerprint), dtype, block_size, layout)
+
+    def prefill(self, token_ids: list[int]) -> CacheBuffers:
+        """llama.cpp's eval of `token_ids` from an empty seq 0; its state as `llamacpp-*`."""
+        self.llm.reset()  # the next eval drops whatever seq 0 held
+        self.llm.eval(token_ids)
+        return state_to_buffers(get_seq_state(self.llm), self.spec)  # positions 0..T-1

@@ -22,7 +22,6 @@ from kvabi.transfer.errors import TransferTimeoutError
 from kvabi.transfer.fetch_loop import sections, serve_fetches
 from kvabi.transfer.framing import expect, recv_msg, send_msg
 from kvabi.transfer.kv_listener import KVListener
-from kvabi.transfer.nixl_fault import FaultPlan
 from kvabi.transfer.nixl_memory import Arena, make_agent
 from kvabi.transfer.nixl_windows import WindowSink
 from kvabi.transfer.transport import (
@@ -50,7 +49,6 @@ class NixlKVServer(KVServer):
         self.config, self.desc, self.provider, self.depth = config, desc, provider, depth
         self.agent = make_agent("prefill")
         self.arena = Arena(self.agent, *arena_shape)
-        self._faults = FaultPlan.from_env()
         self._listener = KVListener(address, config, desc, self._serve, "kvabi-nixl-accept")
         self._listener.start()
 
@@ -89,8 +87,7 @@ class NixlKVServer(KVServer):
             return
         try:
             send_msg(conn, {"t": "kv", "start_token": stream.start_token, "num_bytes": size})
-            fault = self._faults.next(stream.desc, num_tokens, num_hashes)
-            sink = WindowSink(conn, self.arena, slots, self.config.transfer_timeout_s, fault)
+            sink = self._sink(conn, slots, stream)
             writer = ContainerWriter(sink, stream.desc, stream.token_ids, stream.block_hashes)
             for section in sections(writer, stream, first, is_live):
                 writer.write_prepared(section)
@@ -100,6 +97,11 @@ class NixlKVServer(KVServer):
             sink.finish()
         finally:
             self.arena.release(slots)
+
+    def _sink(self, conn: socket.socket, slots: list[int], stream: KVStream) -> WindowSink:
+        """Where a stream's container bytes go (a seam: tests/transfer/faults.py stages them
+        otherwise)."""
+        return WindowSink(conn, self.arena, slots, self.config.transfer_timeout_s)
 
 
 LayerBuffers = tuple[int, dict[str, torch.Tensor]]

@@ -19,7 +19,6 @@ import numpy as np
 
 from kvabi.transfer.errors import MessageTooLargeError, TransferError, TransferTimeoutError
 from kvabi.transfer.framing import expect, recv_msg, send_msg
-from kvabi.transfer.nixl_fault import Fault
 from kvabi.transfer.nixl_memory import Arena, ArenaInfo
 from kvabi.transfer.nixl_read import nixl_read
 
@@ -33,9 +32,8 @@ class WindowSink:
         arena: Arena,
         slots: list[int],
         deadline_s: float,
-        fault: Fault | None = None,
     ) -> None:
-        self.conn, self.arena, self.slots, self.fault = conn, arena, slots, fault
+        self.conn, self.arena, self.slots = conn, arena, slots
         self.deadline = time.monotonic() + deadline_s
         self.num_windows = self.num_acked = self.fill = self.pos = 0
         self._slot = arena.slot(slots[0]).numpy()  # the window being filled
@@ -49,8 +47,6 @@ class WindowSink:
                 self._publish()
             n = min(len(view) - done, len(self._slot) - self.fill)
             self._slot[self.fill : self.fill + n] = view[done : done + n]
-            if self.fault is not None:
-                self.fault.on_staged(self._slot, self.fill, self.pos, n)
             self.fill, self.pos, done = self.fill + n, self.pos + n, done + n
         return len(view)
 
@@ -69,11 +65,7 @@ class WindowSink:
         if time.monotonic() > self.deadline:
             raise TransferTimeoutError("transfer deadline passed while sending")
         slot = self.slots[self.num_windows % len(self.slots)]
-        if self.fault is not None:
-            self.fault.before_publish(self.num_windows)
         send_msg(self.conn, {"t": "window", "slot": slot, "len": self.fill})
-        if self.fault is not None:
-            self.fault.after_publish(self.num_windows)
         self.num_windows += 1
         self.fill = 0
         while self.num_windows - self.num_acked >= len(self.slots):  # next slot still lent

@@ -12,11 +12,8 @@ container).
 
 from __future__ import annotations
 
-import itertools
 import logging
-import os
 import socket
-import time
 
 from kvabi.abi.descriptor import Descriptor
 from kvabi.transfer.fetch_loop import sections, serve_fetches
@@ -29,11 +26,10 @@ from kvabi.transfer.transport import (
     StreamProvider,
     TransportConfig,
 )
-from kvabi.wire.container_format import HEADER, SECTION_HEADER, container_size, desc_json, padding
+from kvabi.wire.container_format import container_size
 from kvabi.wire.container_writer import ContainerWriter
 
 log = logging.getLogger("kvabi.disagg")
-FAULT_ENV = "KVABI_DISAGG_FAULT"  # tests only: e.g. "corrupt,stall:5" (see _Fault)
 
 
 class TcpKVServer(KVServer):
@@ -41,7 +37,6 @@ class TcpKVServer(KVServer):
         self, config: TransportConfig, address: str, desc: Descriptor, provider: StreamProvider
     ) -> None:
         self.config, self.desc, self.provider = config, desc, provider
-        self._fault = _Fault.from_env()
         self._listener = KVListener(address, config, desc, self._serve, "kvabi-kv-accept")
         self._listener.start()
 
@@ -68,10 +63,8 @@ class TcpKVServer(KVServer):
         not, TCP sends the same way)."""
         size = container_size(stream.desc, len(stream.token_ids), len(stream.block_hashes))
         send_msg(conn, {"t": "kv", "start_token": stream.start_token, "num_bytes": size})
-        sink = ChunkedSink(conn, self.config.transfer_timeout_s)
-        writer = ContainerWriter(
-            self._fault.wrap(sink, stream), stream.desc, stream.token_ids, stream.block_hashes
-        )
+        sink = self._sink(conn, stream)
+        writer = ContainerWriter(sink, stream.desc, stream.token_ids, stream.block_hashes)
         sink.flush()  # the meta goes now: the peer checks it while the layers are prepared
         for section in sections(writer, stream, first, is_live):
             writer.write_prepared(section)
@@ -79,47 +72,6 @@ class TcpKVServer(KVServer):
         writer.close()
         sink.flush()
 
-
-class _Fault:
-    """Test hook (env KVABI_DISAGG_FAULT, a comma-separated list used in turn, one per
-    transfer), applied to the bytes after the writer checksummed them: `corrupt` flips the
-    first payload byte of the first layer, so the receiver's check of that section fails;
-    `stall:S` sleeps S seconds before sending that layer; `none` sends it intact."""
-
-    def __init__(self, faults: list[tuple[str, float]]) -> None:
-        self.faults, self.turn = faults, itertools.count()
-
-    @classmethod
-    def from_env(cls) -> _Fault:
-        faults = []
-        for item in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
-            kind, _, arg = item.partition(":")
-            faults.append((kind, float(arg or 0)))
-        return cls(faults)
-
-    def wrap(self, sink: ChunkedSink, stream: KVStream) -> ChunkedSink | _FaultySink:
-        if not self.faults or not stream.token_ids:
-            return sink
-        kind, seconds = self.faults[next(self.turn) % len(self.faults)]
-        head = len(desc_json(stream.desc)) + HEADER.size
-        head += 4 * len(stream.token_ids) + 32 * len(stream.block_hashes) + 8
-        head += padding(head) + SECTION_HEADER.size  # the first payload byte
-        return _FaultySink(sink, head, kind, seconds)
-
-
-class _FaultySink:
-    def __init__(self, sink: ChunkedSink, offset: int, kind: str, seconds: float) -> None:
-        self.sink, self.offset, self.kind, self.seconds = sink, offset, kind, seconds
-        self.pos, self.done = 0, False
-
-    def write(self, data: bytes | memoryview) -> int:
-        end = self.pos + len(data)
-        if not self.done and end > self.offset:
-            self.done = True
-            if self.kind == "stall":
-                time.sleep(self.seconds)
-            elif self.kind == "corrupt":
-                data = bytearray(data)
-                data[self.offset - self.pos] ^= 0xFF
-        self.pos = end
-        return self.sink.write(data)
+    def _sink(self, conn: socket.socket, stream: KVStream) -> ChunkedSink:
+        """Where a stream's container bytes go (a seam: tests/transfer/faults.py wraps it)."""
+        return ChunkedSink(conn, self.config.transfer_timeout_s)

@@ -23,6 +23,3 @@ class TcpTransport(Transport):
     def connect(self, address: str, desc: Descriptor) -> KVClient:
         """Connect and handshake now."""
         return TcpKVClient(self.config, address, desc)
-
-
-TRANSPORTS: dict[str, type[Transport]] = {"tcp": TcpTransport}

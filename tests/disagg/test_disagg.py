@@ -10,6 +10,7 @@ import pytest
 
 from tests.disagg.processes import Instance, start_all, through_router, tiny_args
 from tests.server.tiny_server import sse_events, tiny_folder
+from tests.transfer.faults import faulty_prefix
 
 CHAT = {
     "model": "tiny",
@@ -24,9 +25,7 @@ def fleet(tmp_path_factory):
     folder = str(tiny_folder(tmp_path_factory.mktemp("tiny")))
     prefill = Instance(tiny_args(folder), "prefill", "hnd", 4)
     faulty = Instance(tiny_args(folder), "prefill", "nhd", 8)
-    faulty.process.env["KVABI_DISAGG_FAULT"] = (
-        "stall:4,corrupt"  # its 1st transfer stalls, 2nd is bad
-    )
+    faulty.process.prefix = faulty_prefix("stall:4,corrupt")  # 1st transfer stalls, 2nd is bad
     peers = [x for p in (prefill, faulty) for x in ("--kv-peer", p.kv_address)]
     mixed = Instance(tiny_args(folder), "decode", "nhd", 8, *peers, "--kv-timeout", "1")
     same = Instance(tiny_args(folder), "decode", "hnd", 4, *peers)

@@ -36,8 +36,11 @@ def prefill_provider(e: LLMEngine):
     return provide
 
 
-def prefill_server(e: LLMEngine, cfg: TransportConfig | None = None) -> KVServer:
-    transport = TcpTransport(cfg or config())
+def prefill_server(
+    e: LLMEngine, cfg: TransportConfig | None = None, transport: type = TcpTransport
+) -> KVServer:
+    """`e` as a prefill instance on `transport` (tests/transfer/faults.py has faulty ones)."""
+    transport = transport(cfg or config())
     return transport.listen("127.0.0.1:0", e.info.descriptor, prefill_provider(e))
 
 

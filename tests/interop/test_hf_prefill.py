@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvabi.engine.engine import EngineConfig, LLMEngine
-from kvabi.interop.hf_prefill import HFPrefillProvider
+from kvabi.interop.foreign_prefill import HFPrefillProvider
 from kvabi.transfer.tcp_transport import TcpTransport
 from kvabi.transfer.transport import FetchRequest
 from tests.disagg.tiny_peers import config, greedy

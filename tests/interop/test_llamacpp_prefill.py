@@ -8,9 +8,9 @@ import torch
 
 from kvabi.abi.block_hash import hash_blocks, root_hash
 from kvabi.abi.convert import read_planes
+from kvabi.interop.foreign_prefill import LlamaCppPrefillProvider
 from kvabi.interop.llamacpp_context import get_seq_state
 from kvabi.interop.llamacpp_model import state_to_buffers
-from kvabi.interop.llamacpp_prefill import LlamaCppPrefillProvider
 from kvabi.transfer.transport import FetchRequest
 from tests.conftest import bundled_gguf_path
 

@@ -15,18 +15,19 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
 from kvabi.abi.descriptor import Descriptor
+from kvabi.transfer.framing import ChunkedSink
 from kvabi.transfer.nixl_server import NixlKVServer
 from kvabi.transfer.nixl_transport import DEPTH, NixlTransport
+from kvabi.transfer.nixl_windows import WindowSink
 from kvabi.transfer.tcp_server import TcpKVServer
 from kvabi.transfer.tcp_transport import TcpTransport
-from kvabi.transfer.transport import KVServer, KVStream, StreamProvider, TransportConfig
+from kvabi.transfer.transport import KVServer, KVStream, StreamProvider
 from kvabi.wire.container_format import HEADER, SECTION_HEADER, padding
 
 
@@ -36,18 +37,13 @@ class Fault:
     seconds: float
     offset: int  # the container offset of the first layer's first payload byte
 
-    def on_staged(self, slot: np.ndarray, fill: int, pos: int, n: int) -> None:
-        """`n` bytes of the container from `pos` were just copied to `slot[fill:]`."""
-        if self.kind == "corrupt" and pos <= self.offset < pos + n:
-            slot[fill + self.offset - pos] ^= 0xFF
-
-    def before_publish(self, window: int) -> None:
-        if self.kind == "stall" and window == 0:
-            time.sleep(self.seconds)
-
-    def after_publish(self, window: int) -> None:
-        if self.kind == "freeze" and window == 0:
-            os.kill(os.getpid(), signal.SIGSTOP)
+    def corrupt(self, data: bytes | memoryview, pos: int) -> bytes | memoryview:
+        """`data`, the container's bytes from `pos`, with the fault's byte flipped if there."""
+        if self.kind != "corrupt" or not pos <= self.offset < pos + len(data):
+            return data
+        damaged = bytearray(data)
+        damaged[self.offset - pos] ^= 0xFF
+        return damaged
 
 
 class FaultPlan:
@@ -70,36 +66,51 @@ class FaultPlan:
 
 
 class FaultySink:
-    """A TCP sink that applies a `Fault` to the bytes passing through it."""
+    """A TCP sink that stalls before, or damages, the first layer's first payload byte."""
 
-    def __init__(self, sink: object, fault: Fault) -> None:
-        self.sink, self.fault, self.pos, self.done = sink, fault, 0, False
+    def __init__(self, sink: ChunkedSink, fault: Fault) -> None:
+        self.sink, self.fault, self.pos = sink, fault, 0
 
     def write(self, data: bytes | memoryview) -> int:
-        end, offset = self.pos + len(data), self.fault.offset
-        if not self.done and end > offset:
-            self.done = True
-            if self.fault.kind == "stall":
-                time.sleep(self.fault.seconds)
-            elif self.fault.kind == "corrupt":
-                data = bytearray(data)
-                data[offset - self.pos] ^= 0xFF
-        self.pos = end
-        return self.sink.write(data)
+        if self.fault.kind == "stall" and self.pos <= self.fault.offset < self.pos + len(data):
+            time.sleep(self.fault.seconds)
+        self.sink.write(self.fault.corrupt(data, self.pos))
+        self.pos += len(data)
+        return len(data)
 
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.sink, name)
+    def flush(self) -> None:
+        self.sink.flush()
+
+
+class FaultyWindowSink(WindowSink):
+    """NIXL windows: the fault's byte damaged as it is staged; `stall` sleeps before the
+    first window is published, `freeze` stops the process (SIGSTOP) right after it."""
+
+    def __init__(self, fault: Fault, *args: object) -> None:
+        super().__init__(*args)
+        self.fault = fault
+
+    def write(self, data: bytes | memoryview) -> int:
+        return super().write(self.fault.corrupt(data, self.pos))
+
+    def _publish(self) -> None:
+        first = self.num_windows == 0
+        if first and self.fault.kind == "stall":
+            time.sleep(self.fault.seconds)
+        super()._publish()
+        if first and self.fault.kind == "freeze":
+            os.kill(os.getpid(), signal.SIGSTOP)
 
 
 class FaultyTcpTransport(TcpTransport):
-    plan = ""  # set per process (or per subclass in a test)
+    plan = ""  # set per subclass (`faulty`)
 
     def listen(self, address: str, desc: Descriptor, provider: StreamProvider) -> KVServer:
         plan = FaultPlan(self.plan)
 
         class Server(TcpKVServer):
-            def wrap_sink(self, sink: object, stream: KVStream) -> object:
-                fault = plan.next(stream)
+            def _sink(self, conn: socket.socket, stream: KVStream) -> ChunkedSink:
+                sink, fault = super()._sink(conn, stream), plan.next(stream)
                 return sink if fault is None else FaultySink(sink, fault)
 
         return Server(self.config, address, desc, provider)
@@ -112,8 +123,12 @@ class FaultyNixlTransport(NixlTransport):
         plan = FaultPlan(self.plan)
 
         class Server(NixlKVServer):
-            def fault_for(self, stream: KVStream) -> Fault | None:
-                return plan.next(stream)
+            def _sink(self, conn: socket.socket, slots: list[int], stream: KVStream) -> WindowSink:
+                fault = plan.next(stream)
+                if fault is None:
+                    return super()._sink(conn, slots, stream)
+                deadline = self.config.transfer_timeout_s
+                return FaultyWindowSink(fault, conn, self.arena, slots, deadline)
 
         shape = (self.slot_bytes, self.num_slots)
         return Server(self.config, address, desc, provider, shape, DEPTH)
@@ -145,6 +160,3 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
-
-
-__all__ = ["TransportConfig", "faulty", "faulty_prefix"]

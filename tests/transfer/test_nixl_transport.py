@@ -24,6 +24,7 @@ from kvabi.transfer.nixl_memory import is_nixl_available
 from kvabi.transfer.transport import FetchRequest, KVPayload, TransportConfig
 from kvabi.wire.errors import ChecksumError
 from tests.disagg.tiny_peers import SECRET, config, engine, greedy, prefill_provider
+from tests.transfer.faults import faulty
 from tests.transfer.nixl_peer import READY
 
 pytestmark = pytest.mark.skipif(not is_nixl_available(), reason="nixl is not installed")
@@ -31,15 +32,17 @@ PROMPT = tuple(range(3, 24))  # 21 tokens: 5 blocks of 4 + 1
 SLOT_BYTES = 4096  # the tiny model's container is ~12 KB: several windows, slots reused
 
 
-def nixl(cfg: TransportConfig | None = None):
+def nixl(cfg: TransportConfig | None = None, faults: str = ""):
+    """The NIXL transport; with a fault plan (tests/transfer/faults.py), a faulty one."""
     from kvabi.transfer.nixl_transport import NixlTransport
 
-    return NixlTransport(cfg or config(), slot_bytes=SLOT_BYTES, num_slots=4)
+    transport = faulty(NixlTransport, faults) if faults else NixlTransport
+    return transport(cfg or config(), slot_bytes=SLOT_BYTES, num_slots=4)
 
 
-def nixl_server(cfg: TransportConfig | None = None):
+def nixl_server(cfg: TransportConfig | None = None, faults: str = ""):
     e = engine("nhd", 4)
-    return nixl(cfg).listen("127.0.0.1:0", e.info.descriptor, prefill_provider(e))
+    return nixl(cfg, faults).listen("127.0.0.1:0", e.info.descriptor, prefill_provider(e))
 
 
 def tcp_payload(request: FetchRequest, decode_desc) -> KVPayload:
@@ -107,9 +110,8 @@ def test_a_wrong_secret_is_refused_and_learns_no_nixl_metadata(server):
     assert fetched.end_token == 20  # still serving
 
 
-def test_a_corrupt_region_fails_its_checksum_and_places_nothing(monkeypatch):
-    monkeypatch.setenv("KVABI_DISAGG_FAULT", "corrupt,none")
-    server = nixl_server()
+def test_a_corrupt_region_fails_its_checksum_and_places_nothing():
+    server = nixl_server(faults="corrupt,none")
     decode = engine("hnd", 8)
     client = nixl().connect(server.address, decode.info.descriptor)
     with pytest.raises(ChecksumError, match="layer 0 is corrupt"):
@@ -119,9 +121,8 @@ def test_a_corrupt_region_fails_its_checksum_and_places_nothing(monkeypatch):
     client.close(), server.close()
 
 
-def test_a_stalled_transfer_times_out(monkeypatch):
-    monkeypatch.setenv("KVABI_DISAGG_FAULT", "stall:3")
-    server = nixl_server()
+def test_a_stalled_transfer_times_out():
+    server = nixl_server(faults="stall:3")
     client = nixl(config(io_timeout_s=0.5)).connect(server.address, engine().info.descriptor)
     began = time.monotonic()
     with pytest.raises(TransferTimeoutError):
@@ -137,10 +138,9 @@ def test_settings_select_nixl():
 
 class PeerProcess:
     def __init__(self, fault: str = "") -> None:
-        env = {**os.environ, "KVABI_DISAGG_FAULT": fault}
-        command = [sys.executable, "-m", "tests.transfer.nixl_peer"]
+        command = [sys.executable, "-m", "tests.transfer.nixl_peer", fault]
         self.process = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
         line = ""
         while not line.startswith(READY):  # a few seconds: the peer imports torch and nixl

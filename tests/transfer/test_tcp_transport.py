@@ -28,6 +28,7 @@ from tests.disagg.tiny_peers import (
     prefill_provider,
     prefill_server,
 )
+from tests.transfer.faults import faulty
 
 PROMPT = tuple(range(3, 24))  # 21 tokens: 5 blocks of 4 + 1, 2 blocks of 8 + 5
 
@@ -96,9 +97,8 @@ def test_another_model_is_refused_at_connect_time(prefill):
         TcpTransport(config()).connect(server.address, engine(fingerprint="other").info.descriptor)
 
 
-def test_a_corrupt_payload_fails_its_checksum_and_places_nothing(monkeypatch):
-    monkeypatch.setenv("KVABI_DISAGG_FAULT", "corrupt")
-    server = prefill_server(engine())
+def test_a_corrupt_payload_fails_its_checksum_and_places_nothing():
+    server = prefill_server(engine(), transport=faulty(TcpTransport, "corrupt"))
     decode = engine("hnd", 8)
     with pytest.raises(ChecksumError, match="layer 0 is corrupt"):
         connect(server, decode).fetch(FetchRequest(PROMPT))
@@ -106,9 +106,8 @@ def test_a_corrupt_payload_fails_its_checksum_and_places_nothing(monkeypatch):
     server.close()
 
 
-def test_a_stalled_transfer_times_out(monkeypatch):
-    monkeypatch.setenv("KVABI_DISAGG_FAULT", "stall:3")
-    server = prefill_server(engine())
+def test_a_stalled_transfer_times_out():
+    server = prefill_server(engine(), transport=faulty(TcpTransport, "stall:3"))
     client = connect(server, engine(), config(io_timeout_s=0.5))
     with pytest.raises(TransferTimeoutError):
         client.fetch(FetchRequest(PROMPT))
