@@ -8,7 +8,8 @@ from kvabi.abi.buffers import CacheBuffers, allocate
 from kvabi.abi.catalog import catalog_model
 from kvabi.abi.convert import convert
 from kvabi.abi.presets import preset_descriptor
-from kvabi.bench.report import best_seconds, print_table, write_json
+from kvabi.abi.table import print_table
+from kvabi.bench.report import best_seconds, write_json
 
 # (source preset, destination preset, destination overrides); all share one block size
 PAIRS = [

@@ -25,7 +25,8 @@ from contextlib import contextmanager
 from kvabi.abi.catalog import catalog_model
 from kvabi.abi.descriptor import Descriptor
 from kvabi.abi.presets import preset_descriptor
-from kvabi.bench.report import print_table, write_json
+from kvabi.abi.table import print_table
+from kvabi.bench.report import write_json
 from kvabi.bench.transfer_peer import make_transport, token_ids
 from kvabi.transfer.kv_staging import stage_payload
 from kvabi.transfer.nixl_memory import is_nixl_available

@@ -19,10 +19,10 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvabi.abi.table import print_table
 from kvabi.bench import serve_load
 from kvabi.bench.disagg_load_plot import plot
 from kvabi.bench.mixed_load import KINDS, MixedLoad, MixedRequest, make_mixed, of_kind
-from kvabi.bench.report import print_table
 from kvabi.bench.serve_bench import served_model, summarize
 from kvabi.bench.serve_load import Endpoint, RequestResult, WorkloadConfig, make_requests
 from kvabi.bench.serving_setup import CoreSplit, colocated, disaggregated, model_args

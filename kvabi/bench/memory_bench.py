@@ -19,7 +19,8 @@ import random
 import time
 from dataclasses import dataclass
 
-from kvabi.bench.report import print_table, write_json
+from kvabi.abi.table import print_table
+from kvabi.bench.report import write_json
 from kvabi.bench.throughput import WORDS
 from kvabi.engine.engine import EngineConfig, LLMEngine
 from kvabi.engine.sampling_params import SamplingParams

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvabi.abi.table import print_table
 from kvabi.bench.prefix_workload import (
     ChatTurn,
     RagShape,
@@ -31,7 +32,7 @@ from kvabi.bench.prefix_workload import (
     rag_trace,
     replay_hit_rate,
 )
-from kvabi.bench.report import print_table, write_json
+from kvabi.bench.report import write_json
 from kvabi.bench.throughput import WORDS
 from kvabi.cache.tier_config import TierConfig
 from kvabi.engine.engine import EngineConfig, LLMEngine

@@ -17,7 +17,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from kvabi.bench.report import print_table, write_json
+from kvabi.abi.table import print_table
+from kvabi.bench.report import write_json
 from kvabi.bench.serve_load import Endpoint, RequestResult, WorkloadConfig, make_requests, run_load
 
 QUICK = {"rates": [1.0, 4.0], "num_requests": 12, "input_len": 64, "output_len": 32}

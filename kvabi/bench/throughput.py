@@ -15,7 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvabi.bench.report import print_table, write_json
+from kvabi.abi.table import print_table
+from kvabi.bench.report import write_json
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"

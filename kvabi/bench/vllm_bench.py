@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from kvabi.bench.report import best_seconds, print_table, write_json
+from kvabi.abi.table import print_table
+from kvabi.bench.report import best_seconds, write_json
 from kvabi.bench.serve_load import WORDS
 from kvabi.connectors.vllm_handoff import VLLM_PYTHON, Handoff, prepare, run_connector_worker
 

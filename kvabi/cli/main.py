@@ -10,8 +10,8 @@ from kvabi.abi.catalog import MODEL_NAMES, catalog_model
 from kvabi.abi.errors import KvabiError
 from kvabi.abi.plan import plan
 from kvabi.abi.presets import PRESETS, preset_descriptor
+from kvabi.abi.table import print_table
 from kvabi.abi.text_form import from_text
-from kvabi.bench.report import print_table
 from kvabi.cli.containers import add_container_commands
 from kvabi.cli.disagg import add_disagg_args, add_router_args, cmd_disagg, cmd_router
 from kvabi.cli.prefill_worker import add_prefill_worker_args, cmd_prefill_worker
