@@ -1,10 +1,11 @@
 """`KVCache`: the prefix match over the pool's index, and the block API (export, import)."""
 
 import pytest
+import torch
 
 from kvabi.abi.block_hash import hash_blocks, root_hash
 from kvabi.cache.block_hasher import BlockHasher
-from kvabi.cache.kv_cache import NO_MATCH, MatchResult
+from kvabi.cache.kv_cache import NO_MATCH, ImportResult, MatchResult
 from tests.cache.tiny import tiny_cache
 
 DIGEST = "0273b6b1e5590f4c68ab2e1a6b4ed70a"
@@ -83,3 +84,41 @@ def test_pooled_blocks_follows_the_given_order_and_skips_evicted():
     assert prefix._pooled_ids(hashes) == [0, 1] and prefix.num_pooled(hashes) == 2
     prefix.pool.allocate(prefix.pool.num_free - 1)  # evicts block 1 (the tail) first
     assert prefix._pooled_ids(hashes) == [0] and prefix.num_pooled(hashes) == 1
+
+
+def filled(cache, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for t in cache.storage.buffers.tensors.values():
+        t.copy_(torch.randn(t.shape, generator=gen))
+    return cache
+
+
+def test_export_then_import_places_the_same_kv_under_the_importers_own_blocks():
+    src = filled(tiny_cache(8), seed=1)
+    ids = src.pool.allocate(2)  # blocks 0, 1 hold TOKENS' two full blocks
+    src.cache_blocks(ids, src.hasher.hashes(TOKENS), TOKENS, 0, 2)
+    payload = src.export(TOKENS, None)
+    assert (payload.start_token, payload.token_ids) == (0, tuple(TOKENS[:8]))
+    assert payload.block_hashes == tuple(src.hasher.hashes(TOKENS)) and payload.cache.extent == 2
+    dst = tiny_cache(8, layout="vllm-flash-attn-hnd")
+    assert dst.import_blocks(TOKENS, None, payload) == ImportResult(8, 2)
+    blocks = [dst.pool.cached_block(h) for h in payload.block_hashes]
+    assert blocks == [0, 1] and dst.pool.num_free == 8  # cached, unreferenced
+    for b in blocks:
+        src_k, dst_k = src.storage.k[0][b], dst.storage.k[0][b]
+        assert torch.equal(src_k, dst_k)  # a layout conversion is data movement: exact
+    assert dst.import_blocks(TOKENS, None, payload) == ImportResult(8, 0)  # held: not twice
+    assert dst.export(TOKENS, None, start_token=4).token_ids == tuple(TOKENS[4:8])
+
+
+def test_an_import_that_would_not_extend_the_pooled_prefix_places_nothing():
+    src = filled(tiny_cache(8), seed=2)
+    src.cache_blocks(src.pool.allocate(2), src.hasher.hashes(TOKENS), TOKENS, 0, 2)
+    tail = src.export(TOKENS, None, start_token=4)  # block 1 only: block 0 is not here
+    dst = tiny_cache(8)
+    assert dst.import_blocks(TOKENS, None, tail) == ImportResult(0, 0)
+    assert dst.pool.num_cached == 0
+    # the importer names blocks with its own hashes: under a salt, that tenant's chain only
+    assert dst.import_blocks(TOKENS, "tenant-a", src.export(TOKENS, None)) == ImportResult(8, 2)
+    assert dst.num_pooled(dst.hasher.hashes(TOKENS, "tenant-a")) == 2
+    assert dst.num_pooled(dst.hasher.hashes(TOKENS)) == 0

@@ -7,6 +7,8 @@ from kvabi.cache.kv_cache import KVCache
 MODEL = ModelSpec((LayerSpec(ATTN, 1, 8, 8),), "tiny-cache")
 
 
-def tiny_cache(num_blocks: int, block_size: int = 4, **kwargs) -> KVCache:
-    desc = preset_descriptor("vllm-flash-attn", MODEL, block_size=block_size, dtype="f32")
+def tiny_cache(
+    num_blocks: int, block_size: int = 4, layout: str = "vllm-flash-attn", **kwargs
+) -> KVCache:
+    desc = preset_descriptor(layout, MODEL, block_size=block_size, dtype="f32")
     return KVCache(desc, num_blocks, **kwargs)

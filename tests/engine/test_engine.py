@@ -193,3 +193,22 @@ def test_a_sliding_window_caps_the_context_so_attention_stays_exact():
     out = run_all(engine, [PROMPTS[0]], GREEDY)[0].outputs[0]
     assert out.finish_reason == "length" and len(PROMPTS[0]) + len(out.token_ids) == 8
     assert out.token_ids == REFERENCE[0][: len(out.token_ids)]
+
+
+def test_engines_sharing_a_loaded_model_cannot_change_each_others_paths():
+    """The model is prepared (packed, fused, kernels) when it is loaded, not by the first
+    engine built over it: an engine on the reference backend first changes nothing."""
+    from kvabi.models.cpu_kernels import cpu_kernels
+
+    loaded = tiny_loaded()
+    model = loaded.model
+
+    def paths() -> list[object]:
+        gemms = [g for layer in model.layers for g in (layer.self_attn.qkv, layer.mlp.gate_up)]
+        return [model.logits, *gemms, *(layer.kernels for layer in model.layers)]
+
+    prepared = paths()
+    assert model.layers[0].kernels is cpu_kernels() and model.logits is not None
+    LLMEngine(loaded, EngineConfig(attention_backend="reference", fused_decode=False))
+    LLMEngine(loaded, EngineConfig())
+    assert all(a is b for a, b in zip(paths(), prepared, strict=True))
