@@ -8,6 +8,7 @@ from kvabi.disagg.kv_export import export_blocks
 from kvabi.disagg.tcp_transport import TcpTransport
 from kvabi.disagg.transport import FetchRequest, KVPayload, KVServer, TransportConfig
 from kvabi.engine.engine import EngineConfig, LLMEngine
+from kvabi.engine.outputs import OutputAccumulator
 from kvabi.engine.sampling_params import SamplingParams
 from tests.engine.tiny import tiny_loaded
 
@@ -44,8 +45,9 @@ def prefill_server(e: LLMEngine, cfg: TransportConfig | None = None) -> KVServer
 
 def greedy(e: LLMEngine, ids: list[int], n: int = 12) -> list[int]:
     request_id = e.add_request(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    outputs = OutputAccumulator()
     while e.has_unfinished():
-        for out in e.step():
-            if out.finished and out.request_id == request_id:
+        for out in outputs.add(e.step()):
+            if out.request_id == request_id:
                 return list(out.outputs[0].token_ids)
     raise AssertionError("the request never finished")
