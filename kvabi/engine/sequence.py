@@ -64,6 +64,14 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return [*self.prompt_ids, *self.output_ids]
 
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """`token_ids()[start:stop]` without building the rest (a decode step reads one)."""
+        n = len(self.prompt_ids)
+        return [
+            *self.prompt_ids[start:stop],
+            *self.output_ids[max(start - n, 0) : max(stop - n, 0)],
+        ]
+
     @property
     def is_finished(self) -> bool:
         return self.status == SeqStatus.FINISHED
