@@ -12,7 +12,7 @@ each request's whole output once it finishes (`LLM.generate`).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 from kvabi.engine.sequence import Sequence, TokenLogprob
 
@@ -66,27 +66,11 @@ def _choice_delta(seq: Sequence) -> CompletionOutput | None:
     return CompletionOutput(seq.index, text, token_ids, logprobs, seq.finish_reason)
 
 
-@dataclass
-class _Choice:
-    index: int
-    texts: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    has_logprobs: bool = False
-    finish_reason: str | None = None
-
-    def add(self, delta: CompletionOutput) -> None:
-        self.texts.append(delta.text)
-        self.token_ids += delta.token_ids
-        if delta.logprobs is not None:
-            self.has_logprobs = True
-            self.logprobs += delta.logprobs
-        self.finish_reason = delta.finish_reason
-
-    def output(self) -> CompletionOutput:
-        logprobs = tuple(self.logprobs) if self.has_logprobs else None
-        text, token_ids = "".join(self.texts), tuple(self.token_ids)
-        return CompletionOutput(self.index, text, token_ids, logprobs, self.finish_reason)
+def _joined(deltas: list[CompletionOutput]) -> CompletionOutput:
+    last, text = deltas[-1], "".join(d.text for d in deltas)
+    token_ids = tuple(t for d in deltas for t in d.token_ids)
+    logprobs = None if last.logprobs is None else tuple(x for d in deltas for x in d.logprobs or ())
+    return CompletionOutput(last.index, text, token_ids, logprobs, last.finish_reason)
 
 
 class OutputBuffer:
@@ -94,7 +78,7 @@ class OutputBuffer:
     whole output; taken as they come, what came since the last take."""
 
     def __init__(self) -> None:
-        self._choices: dict[int, _Choice] = {}
+        self._choices: dict[int, list[CompletionOutput]] = {}  # index -> deltas not yet taken
         self.latest: RequestOutput | None = None  # the newest delta added
 
     @property
@@ -104,18 +88,16 @@ class OutputBuffer:
     def add(self, delta: RequestOutput) -> None:
         self.latest = delta
         for c in delta.outputs:
-            self._choices.setdefault(c.index, _Choice(c.index)).add(c)
+            self._choices.setdefault(c.index, []).append(c)
 
     def take(self) -> RequestOutput:
         """The deltas added since the last take as one (choices in index order); needs one."""
         last = self.latest
         if last is None:
             raise ValueError("take: no delta was added")
-        outputs = tuple(self._choices[i].output() for i in sorted(self._choices))
+        outputs = tuple(_joined(self._choices[i]) for i in sorted(self._choices))
         self._choices = {}
-        return RequestOutput(
-            last.request_id, last.prompt_token_ids, outputs, last.finished, last.error
-        )
+        return replace(last, outputs=outputs)
 
 
 class OutputAccumulator:
