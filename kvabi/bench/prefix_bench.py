@@ -36,6 +36,7 @@ from kvabi.bench.report import write_json
 from kvabi.bench.throughput import WORDS
 from kvabi.cache.tier_config import TierConfig
 from kvabi.engine.engine import EngineConfig, LLMEngine
+from kvabi.engine.outputs import OutputAccumulator
 from kvabi.engine.sampling_params import SamplingParams
 from kvabi.models.registry import LoadedModel
 
@@ -218,10 +219,10 @@ def _chat(
 
 
 def _generate(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> list[int]:
-    rid = engine.add_request(prompt, params)
+    rid, outputs = engine.add_request(prompt, params), OutputAccumulator()
     while True:
-        for out in engine.step():
-            if out.request_id == rid and out.finished:
+        for out in outputs.add(engine.step()):
+            if out.request_id == rid:
                 return list(out.outputs[0].token_ids)
 
 

@@ -26,6 +26,7 @@ def _timed(fn: Callable[[], object]) -> tuple[float, object]:
 
 def run_kvabi(work: dict, dtype: str) -> dict:
     from kvabi.engine.llm import LLM
+    from kvabi.engine.outputs import OutputAccumulator
     from kvabi.engine.sampling_params import SamplingParams
 
     # Prefix caching off, as for vLLM (vllm_worker.py): the warm-up runs the same prompts, and
@@ -38,9 +39,9 @@ def run_kvabi(work: dict, dtype: str) -> dict:
             engine.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
             for p, n in requests
         ]
-        done = {}
+        done, outputs = {}, OutputAccumulator()
         while engine.has_unfinished():
-            done |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+            done |= {o.request_id: o.outputs[0].token_ids for o in outputs.add(engine.step())}
         return [done[i] for i in ids]
 
     return _measure(generate, work)

@@ -121,6 +121,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from kvabi.bench.vllm_bench import run as run_vllm
 
         run_vllm(args.quick, args.json)
+    elif args.what == "decode":
+        from kvabi.bench.decode_bench import run as run_decode
+
+        run_decode(args.quick, args.json)
     return 0
 
 
@@ -150,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_chat)
     p = sub.add_parser("bench", help="benchmarks, as ratios against a same-run baseline")
     p.add_argument(
-        "what", choices=["convert", "throughput", "serve", "prefix", "memory", "disagg", "vllm"]
+        "what",
+        choices=["convert", "throughput", "serve", "prefix", "memory", "disagg", "vllm", "decode"],
     )
 
     p.add_argument(

@@ -1,7 +1,8 @@
 """`LLMEngine`: requests in, tokens out, one scheduler step at a time.
 
 `add_request` validates and queues; `step` schedules, runs the model once over the paged cache,
-samples, applies stop rules and returns what changed. `abort` frees a request's blocks.
+samples, applies stop rules and returns what each request gained (deltas, `outputs.py`).
+`abort` frees a request's blocks.
 
 With the prefix cache (on by default) full blocks stay indexed by block hash after their request
 ends, so later requests reuse them; with lower tiers configured (`EngineConfig.tiers`) blocks
@@ -26,7 +27,7 @@ from kvabi.cache.block_events import BlockEventSink
 from kvabi.cache.kv_cache import KVCache
 from kvabi.cache.tier_config import TierConfig
 from kvabi.engine.fused_decode import FusedDecode
-from kvabi.engine.outputs import RequestOutput, request_output
+from kvabi.engine.outputs import RequestOutput, request_delta
 from kvabi.engine.paged_attention import PagedAttention
 from kvabi.engine.runner import ModelRunner
 from kvabi.engine.sampler import sample
@@ -152,7 +153,7 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
-        seq = self._new_seq(request_id, 0, ids, params)
+        seq = self._new_seq(request_id, 0, tuple(ids), params)
         self.requests[request_id] = [seq]
         self.scheduler.add(seq)
         if params.session is not None:
@@ -200,7 +201,7 @@ class LLMEngine:
             )
 
     def _new_seq(
-        self, request_id: str, index: int, ids: list[int], params: SamplingParams
+        self, request_id: str, index: int, ids: tuple[int, ...], params: SamplingParams
     ) -> Sequence:
         gen = None
         if params.seed is not None:
@@ -220,7 +221,8 @@ class LLMEngine:
             self._end_request(seqs)
 
     def step(self) -> list[RequestOutput]:
-        """One scheduler step; returns the requests that progressed (finished ones last time)."""
+        """One scheduler step; returns a delta of each request that progressed (what is new
+        since its last one; a finished request's delta is its last)."""
         self._promote_waiting()
         batch = self.scheduler.schedule()  # evicted blocks were written down as allocated
         if batch.copies:
@@ -232,7 +234,7 @@ class LLMEngine:
         self.num_computed_tokens += batch.num_tokens
         logits = self.runner.run(batch, self._layer_hook(batch))
         touched = self._postprocess(batch, logits)
-        outputs = [request_output(r, self.requests[r]) for r in touched]
+        outputs = [request_delta(r, self.requests[r]) for r in touched]
         for out in outputs:
             if out.finished:
                 self._end_request(self.requests.pop(out.request_id))
@@ -353,16 +355,26 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
+        """Decode the new token onto `seq.text` and say whether the sequence ends here."""
+        p, detok = seq.params, seq.detokenizer
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.info.eos_token_ids):
-            seq.text = self.tokenizer.decode(seq.output_ids[:-1], skip_special_tokens=True)
+            seq.text += detok.flush(self.tokenizer)  # a stop token adds no text of its own
             return "stop"
-        seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-        for stop in p.stop:
-            at = seq.text.find(stop)
-            if at >= 0:
-                seq.text = seq.text[:at]
-                return "stop"
-        if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.info.max_model_len:
-            return "length"  # add_request made sure the cache holds max_tokens
-        return None
+        is_full = len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.info.max_model_len
+        new = detok.add(self.tokenizer, token) + (detok.flush(self.tokenizer) if is_full else "")
+        seq.text += new
+        if _cut_at_stop(seq, len(new)):
+            return "stop"
+        return "length" if is_full else None  # add_request made sure the cache holds max_tokens
+
+
+def _cut_at_stop(seq: Sequence, num_new: int) -> bool:
+    """Cut `seq.text` at the first stop string that the new text completes. Only the tail can
+    hold one (earlier text was searched before), and `seq.text` still holds the last
+    `len(stop) - 1` characters before the new ones (outputs.py holds them back)."""
+    for stop in seq.params.stop:
+        at = seq.text.find(stop, max(len(seq.text) - num_new - len(stop) + 1, 0))
+        if at >= 0:
+            seq.text = seq.text[:at]
+            return True
+    return False

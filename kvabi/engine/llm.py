@@ -7,9 +7,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvabi.engine.deltas import ChoiceDelta, DeltaTracker
 from kvabi.engine.engine import EngineConfig, EngineHooks, LLMEngine
-from kvabi.engine.outputs import RequestOutput
+from kvabi.engine.outputs import CompletionOutput, OutputAccumulator, RequestOutput
 from kvabi.engine.sampling_params import SamplingParams
 from kvabi.interop.model_spec import gguf_fingerprint, state_dict_fingerprint
 from kvabi.models.registry import LoadedModel, load_model, resolve_model
@@ -63,31 +62,31 @@ class LLM:
             self.engine.check_fits(len(ids), params.max_tokens)
         ids = [self.engine.add_request(p, params) for p in checked]
         done: dict[str, RequestOutput] = {}
+        outputs = OutputAccumulator()
         bar = tqdm(total=len(ids), disable=not use_tqdm, desc="generate")
         while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-                    bar.update()
+            for out in outputs.add(self.engine.step()):
+                done[out.request_id] = out
+                bar.update()
         bar.close()
         return [done[i] for i in ids]
 
     def stream(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None
-    ) -> Iterator[ChoiceDelta]:
-        """Yield text as it settles (all n choices interleaved; each finish reported once).
+    ) -> Iterator[CompletionOutput]:
+        """Yield each choice's deltas as the engine makes them (all n choices interleaved;
+        each finish reported once).
 
         Text a stop string may still cut, or a half-decoded character, is held back until it
-        settles (`DeltaTracker`); abandoning the iterator aborts the request."""
+        settles (`outputs.py`); abandoning the iterator aborts the request."""
         params = params or SamplingParams()
         request_id = self.engine.add_request(prompt, params)
-        tracker = DeltaTracker(params.stop)
         try:
             while self.engine.has_unfinished():
                 for out in self.engine.step():
                     if out.request_id != request_id:
                         continue
-                    yield from tracker.deltas(out)
+                    yield from out.outputs
                     if out.finished:
                         return
         finally:

@@ -1,7 +1,7 @@
 """`RequestHandle`: one request as the event loop sees it, fed by the engine thread.
 
-It keeps only the latest (cumulative) output and an event that says it changed, so a client that
-reads slowly costs one output's memory, never a backlog of steps.
+It joins the engine's deltas in one `OutputBuffer` and sets an event when it changed, so a
+client that reads slowly costs the output's memory, never a backlog of steps.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from kvabi.engine.outputs import RequestOutput
+from kvabi.engine.outputs import OutputBuffer, RequestOutput
 from kvabi.engine.sampling_params import SamplingParams
 
 
@@ -30,23 +30,25 @@ class Progress:
 
 @dataclass
 class RequestHandle:
-    """The latest output of a request and its timing; touched on the event loop only."""
+    """A request's output so far and its timing; touched on the event loop only."""
 
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     arrival: float = field(default_factory=time.perf_counter)  # when it was submitted
-    latest: RequestOutput | None = None
+    buffer: OutputBuffer = field(default_factory=OutputBuffer)  # deltas not yet taken
     error: str | None = None
     last_token_time: float | None = None
     num_generated: int = 0  # over all n choices
+    finish_reasons: list[str] = field(default_factory=list)  # one per choice, as they finish
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def advance(self, out: RequestOutput, now: float) -> Progress:
-        """Take a newer output (on the event loop) and say what it added."""
-        self.latest = out
-        total = sum(len(c.token_ids) for c in out.outputs)
-        new, self.num_generated = total - self.num_generated, total
+    def advance(self, delta: RequestOutput, now: float) -> Progress:
+        """Take an engine delta (on the event loop) and say what it added."""
+        self.buffer.add(delta)
+        new = sum(len(c.token_ids) for c in delta.outputs)
+        self.num_generated += new
+        self.finish_reasons += [c.finish_reason for c in delta.outputs if c.finish_reason]
         if not new:
             return Progress(0, None, None)
         last, self.last_token_time = self.last_token_time, now
@@ -55,14 +57,24 @@ class RequestHandle:
         return Progress(new, None, now - last)
 
     async def updates(self) -> AsyncIterator[RequestOutput]:
-        """The request's outputs as they change (coalesced), the finished one last."""
+        """What the request produced since the last update (deltas that came meanwhile
+        joined), the finished one last."""
         while True:
-            await self.changed.wait()
-            self.changed.clear()
-            if self.error is not None:
-                raise EngineError(self.error)
-            out = self.latest
-            if out is not None:
+            await self._changed()
+            if self.buffer.latest is not None:
+                out = self.buffer.take()
                 yield out
                 if out.finished:
                     return
+
+    async def final(self) -> RequestOutput:
+        """The whole output, once the request finished (for a handle never read by updates)."""
+        while not self.buffer.is_finished:
+            await self._changed()
+        return self.buffer.take()
+
+    async def _changed(self) -> None:
+        await self.changed.wait()
+        self.changed.clear()
+        if self.error is not None:
+            raise EngineError(self.error)

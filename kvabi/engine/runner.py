@@ -42,7 +42,7 @@ class ModelRunner:
         ids, positions, slot_blocks, slices, sample_rows = [], [], [], [], []
         start = 0
         for s in batch.seqs:
-            ids += s.seq.token_ids()[s.start : s.start + s.num_tokens]
+            ids += s.seq.token_slice(s.start, s.start + s.num_tokens)
             pos = torch.arange(s.start, s.start + s.num_tokens)
             table = torch.tensor(s.seq.block_ids, dtype=torch.long)
             positions.append(pos)

@@ -7,6 +7,7 @@ from enum import Enum
 
 import torch
 
+from kvabi.engine.detokenizer import Detokenizer
 from kvabi.engine.sampling_params import SamplingParams
 
 
@@ -28,7 +29,7 @@ class Sequence:
     seq_id: int
     request_id: str
     index: int  # which of the request's n outputs
-    prompt_ids: list[int]
+    prompt_ids: tuple[int, ...]
     params: SamplingParams
     arrival: int  # admission order: lower is older
     generator: torch.Generator | None = None
@@ -39,8 +40,13 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     error: str | None = None  # why the request failed (finish_reason "error")
-    text: str = ""
     num_preemptions: int = 0
+    # Output text (engine.py, outputs.py): the detokenizer's state; text decoded but not yet in
+    # a delta (what a stop string may still cut stays here); what the deltas handed out.
+    detokenizer: Detokenizer = field(default_factory=Detokenizer)
+    text: str = ""
+    num_sent_tokens: int = 0
+    is_finish_sent: bool = False
     # Prefix cache (scheduler): the chained hashes of its full blocks, their root (model and
     # cache salt), how many leading blocks are indexed in the pool, whether its lookup was
     # counted (once, at first admission) and whether the lower tiers were searched since it
@@ -56,7 +62,15 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     def token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        return [*self.prompt_ids, *self.output_ids]
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """`token_ids()[start:stop]` without building the rest (a decode step reads one)."""
+        n = len(self.prompt_ids)
+        return [
+            *self.prompt_ids[start:stop],
+            *self.output_ids[max(start - n, 0) : max(stop - n, 0)],
+        ]
 
     @property
     def is_finished(self) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +185,12 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """The ids `decode(..., skip_special_tokens=True)` leaves out."""
+        added = self.backend.get_added_tokens_decoder()
+        return frozenset(i for i, token in added.items() if token.special)
 
     def token_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)

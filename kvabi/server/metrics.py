@@ -71,11 +71,11 @@ class ServerMetrics:
 
     def ended(self, handle: RequestHandle, outcome: str) -> None:
         self.requests.labels(outcome).inc()
-        if outcome != "finished" or handle.latest is None:
+        if outcome != "finished":
             return
         self.e2e.observe((handle.last_token_time or time.perf_counter()) - handle.arrival)
-        for choice in handle.latest.outputs:
-            self.choices.labels(choice.finish_reason or "none").inc()
+        for reason in handle.finish_reasons:
+            self.choices.labels(reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,8 +1,8 @@
 """OpenAI response objects for completions and chat: the whole body, or a stream's chunks.
 
-Both take `ChoiceDelta`s (a whole finished output is one delta per choice), so the stream and the
-body say the same thing. Token strings in logprobs are each token decoded alone (a token holding
-part of a multi-byte character decodes to U+FFFD).
+Both take `CompletionOutput`s (a stream's are the engine's deltas, a body's the whole choices),
+so the stream and the body say the same thing. Token strings in logprobs are each token decoded
+alone (a token holding part of a multi-byte character decodes to U+FFFD).
 """
 
 from __future__ import annotations
@@ -11,28 +11,18 @@ import time
 import uuid
 from typing import Any
 
-from kvabi.engine.deltas import ChoiceDelta
-from kvabi.engine.outputs import RequestOutput
+from kvabi.engine.outputs import CompletionOutput, RequestOutput
 from kvabi.engine.sequence import TokenLogprob
 from kvabi.models.tokenizer import Tokenizer
 
 
-def usage(out: RequestOutput) -> dict[str, int]:
+def usage(num_prompt: int, num_completion: int) -> dict[str, int]:
     """Token counts: completion_tokens sums every choice's generated tokens."""
-    prompt = len(out.prompt_token_ids)
-    completion = sum(len(c.token_ids) for c in out.outputs)
     return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_completion,
+        "total_tokens": num_prompt + num_completion,
     }
-
-
-def whole(out: RequestOutput) -> list[ChoiceDelta]:
-    """A finished output as one delta per choice."""
-    return [
-        ChoiceDelta(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason) for c in out.outputs
-    ]
 
 
 class Responses:
@@ -49,10 +39,13 @@ class Responses:
 
     def body(self, out: RequestOutput) -> dict[str, Any]:
         """The non-streamed response to a finished request."""
-        choices = [self.choice(d, streamed=False) for d in whole(out)]
-        return self._envelope(self.object_name, choices, usage=usage(out))
+        choices = [self.choice(c, streamed=False) for c in out.outputs]
+        num_completion = sum(len(c.token_ids) for c in out.outputs)
+        return self._envelope(
+            self.object_name, choices, usage=usage(len(out.prompt_token_ids), num_completion)
+        )
 
-    def chunk(self, deltas: list[ChoiceDelta], include_usage: bool) -> dict[str, Any]:
+    def chunk(self, deltas: tuple[CompletionOutput, ...], include_usage: bool) -> dict[str, Any]:
         extra = {"usage": None} if include_usage else {}
         choices = [self.choice(d, streamed=True) for d in deltas]
         return self._envelope(self.chunk_object_name, choices, **extra)
@@ -61,11 +54,11 @@ class Responses:
         """Chunks sent before any token (chat: the assistant role of each choice)."""
         return []
 
-    def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
+    def usage_chunk(self, num_prompt: int, num_completion: int) -> dict[str, Any]:
         """The last chunk when stream_options.include_usage: no choices, the usage."""
-        return self._envelope(self.chunk_object_name, [], usage=usage(out))
+        return self._envelope(self.chunk_object_name, [], usage=usage(num_prompt, num_completion))
 
-    def choice(self, d: ChoiceDelta, streamed: bool) -> dict[str, Any]:
+    def choice(self, d: CompletionOutput, streamed: bool) -> dict[str, Any]:
         raise NotImplementedError
 
     def token_text(self, token_id: int) -> str:
@@ -90,7 +83,7 @@ class CompletionResponses(Responses):
         super().__init__(model, tokenizer)
         self._offsets: dict[int, int] = {}  # choice -> text offset of its next logprobs token
 
-    def choice(self, d: ChoiceDelta, streamed: bool) -> dict[str, Any]:
+    def choice(self, d: CompletionOutput, streamed: bool) -> dict[str, Any]:
         logprobs = None if d.logprobs is None else self._logprobs(d.index, d.logprobs)
         return {
             "index": d.index,
@@ -126,7 +119,7 @@ class ChatResponses(Responses):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def choice(self, d: ChoiceDelta, streamed: bool) -> dict[str, Any]:
+    def choice(self, d: CompletionOutput, streamed: bool) -> dict[str, Any]:
         logprobs = None if d.logprobs is None else {"content": self._logprobs(d.logprobs)}
         if streamed:
             message = {"delta": {"content": d.text} if d.text else {}}

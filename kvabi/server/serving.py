@@ -15,7 +15,6 @@ from starlette.responses import JSONResponse, Response
 
 from kvabi.disagg.roles import KV_HEADER, PEER_HEADER, DecodeRole
 from kvabi.engine.async_engine import AsyncEngine, OverloadedError
-from kvabi.engine.deltas import DeltaTracker
 from kvabi.engine.engine import LLMEngine
 from kvabi.engine.outputs import RequestOutput
 from kvabi.engine.request_handle import EngineError, RequestHandle
@@ -105,27 +104,22 @@ class Serving:
     @staticmethod
     async def _final(handle: RequestHandle) -> RequestOutput:
         try:
-            async for out in handle.updates():
-                if out.finished:
-                    return out
+            return await handle.final()
         except EngineError as exc:
             raise APIError(500, str(exc), type="server_error") from exc
-        raise APIError(500, "the request ended without an output", type="server_error")
 
     @staticmethod
     async def _events(
         handle: RequestHandle, r: Responses, include_usage: bool
     ) -> AsyncIterator[str]:
-        tracker = DeltaTracker(handle.params.stop)
         try:
             for chunk in r.opening_chunks(handle.params.n, include_usage):
                 yield _event(chunk)
             async for out in handle.updates():
-                deltas = tracker.deltas(out)
-                if deltas:
-                    yield _event(r.chunk(deltas, include_usage))
-            if include_usage and handle.latest is not None:
-                yield _event(r.usage_chunk(handle.latest))
+                if out.outputs:
+                    yield _event(r.chunk(out.outputs, include_usage))
+            if include_usage:
+                yield _event(r.usage_chunk(len(handle.prompt_ids), handle.num_generated))
         except EngineError as exc:
             yield _event(APIError(500, str(exc), type="server_error").body())
         yield "data: [DONE]\n\n"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 from kvabi.engine.engine import EngineConfig, LLMEngine
+from kvabi.engine.outputs import OutputAccumulator
 from kvabi.engine.sampling_params import SamplingParams
 from kvabi.transfer.tcp_transport import TcpTransport
 from kvabi.transfer.transport import FetchRequest, KVPayload, KVServer, TransportConfig
@@ -46,8 +47,9 @@ def prefill_server(
 
 def greedy(e: LLMEngine, ids: list[int], n: int = 12) -> list[int]:
     request_id = e.add_request(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    outputs = OutputAccumulator()
     while e.has_unfinished():
-        for out in e.step():
-            if out.finished and out.request_id == request_id:
+        for out in outputs.add(e.step()):
+            if out.request_id == request_id:
                 return list(out.outputs[0].token_ids)
     raise AssertionError("the request never finished")

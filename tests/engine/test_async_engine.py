@@ -24,9 +24,7 @@ async def _until(predicate, timeout_s: float = 10.0) -> None:
 
 
 async def _final(handle):
-    async for out in handle.updates():
-        last = out
-    return last
+    return await handle.final()
 
 
 def test_abort_of_a_running_request_frees_its_blocks():
@@ -64,6 +62,21 @@ def test_submissions_past_max_in_flight_are_refused_until_one_ends():
         return second
 
     assert len(asyncio.run(main()).outputs[0].token_ids) == 5
+
+
+def test_a_reader_that_comes_late_gets_the_steps_it_missed_joined():
+    async def main():
+        loop = AsyncEngine(tiny_chat_engine(), max_in_flight=4)
+        loop.start()
+        handle = loop.submit([1, 2, 3], SamplingParams(max_tokens=5, n=2, seed=1, ignore_eos=True))
+        await _until(lambda: loop.num_in_flight == 0)  # finished before anyone read
+        outs = [out async for out in handle.updates()]
+        loop.stop()
+        return outs
+
+    (out,) = asyncio.run(main())
+    assert out.finished and [len(c.token_ids) for c in out.outputs] == [5, 5]
+    assert [c.finish_reason for c in out.outputs] == ["length", "length"]
 
 
 def test_a_failed_step_fails_its_requests_and_the_engine_serves_on():

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kvabi.engine.engine import EngineConfig, LLMEngine
+from kvabi.engine.outputs import OutputAccumulator
 from kvabi.engine.sampling_params import SamplingParams
 from kvabi.models.attention import ContiguousAttention
 from tests.engine.tiny import EOS, run_all, tiny_engine, tiny_loaded
@@ -61,13 +62,13 @@ def test_preemption_under_a_tiny_block_budget_completes_everything_identically()
 
 def test_late_arrivals_join_running_batches():
     engine = tiny_engine(block_size=4)
-    first = engine.add_request(PROMPTS[1], GREEDY)
+    first, outputs = engine.add_request(PROMPTS[1], GREEDY), OutputAccumulator()
     for _ in range(3):
-        engine.step()
+        outputs.add(engine.step())
     second = engine.add_request(PROMPTS[0], GREEDY)
     done = {}
     while engine.has_unfinished():
-        done |= {o.request_id: o for o in engine.step() if o.finished}
+        done |= {o.request_id: o for o in outputs.add(engine.step())}
     assert done[first].outputs[0].token_ids == REFERENCE[1]
     assert done[second].outputs[0].token_ids == REFERENCE[0]
 
@@ -76,15 +77,16 @@ def test_n_shares_the_prompt_blocks_and_seeds_reproduce():
     engine = tiny_engine(block_size=4)
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=7, n=3, ignore_eos=True)
     rid = engine.add_request(PROMPTS[1], params)  # 21 tokens: 5 full blocks
+    outputs = OutputAccumulator()
     while not engine.requests[rid][0].output_ids:
-        engine.step()
+        outputs.add(engine.step())
     seqs = engine.requests[rid]
     assert len(seqs) == 3
     shared = seqs[0].block_ids[:5]
     assert all(s.block_ids[:5] == shared for s in seqs[1:])
     assert [engine.cache.pool.ref_counts[b] for b in shared] == [3] * 5
     while engine.has_unfinished():
-        out = engine.step()
+        out = outputs.add(engine.step())
     texts = [c.token_ids for c in out[0].outputs]
     assert len(set(texts)) > 1  # three different samples
     again = run_all(tiny_engine(block_size=16), [PROMPTS[1]], params)[0]

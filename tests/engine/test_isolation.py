@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import kvabi.engine.engine as engine_module
+from kvabi.engine.outputs import OutputAccumulator
 from kvabi.engine.sampling_params import SamplingParams
 from tests.engine.tiny import run_all, tiny_engine
 
@@ -52,9 +53,9 @@ def test_a_failure_reaches_the_caller_as_an_errored_output(poisoned_sampler):
 def _run(engine, requests):
     """Add every (prompt, params), step until done; the outputs in that order."""
     ids = [engine.add_request(prompt, params) for prompt, params in requests]
-    done = {}
+    done, outputs = {}, OutputAccumulator()
     while engine.has_unfinished():
-        done |= {o.request_id: o for o in engine.step() if o.finished}
+        done |= {o.request_id: o for o in outputs.add(engine.step())}
     return [done[i] for i in ids]
 
 

@@ -8,6 +8,7 @@ import torch
 
 from kvabi.cache.kv_cache import KVCache
 from kvabi.engine.engine import EngineConfig, EngineHooks, LLMEngine
+from kvabi.engine.outputs import OutputAccumulator
 from kvabi.engine.sampling_params import SamplingParams
 from tests.engine.tiny import tiny_loaded
 
@@ -21,10 +22,10 @@ def _run(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, list[int]]:
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
     outs: dict[str, list[int]] = {}
+    outputs = OutputAccumulator()
     while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                outs[out.request_id] = list(out.outputs[0].token_ids)
+        for out in outputs.add(engine.step()):
+            outs[out.request_id] = list(out.outputs[0].token_ids)
     return {i: outs[i] for i in ids}
 
 

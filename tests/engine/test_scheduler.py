@@ -57,3 +57,11 @@ def test_max_num_seqs_caps_admission():
         sched.add(_seq(i, 2))
     assert [s.seq.seq_id for s in sched.schedule().seqs] == [0, 1]
     assert [s.seq_id for s in sched.waiting] == [2]
+
+
+def test_token_slice_is_that_slice_of_all_the_token_ids():
+    seq = _seq(0, 5)
+    seq.output_ids += [70, 80, 90]
+    for start in range(9):
+        for stop in range(start, 10):
+            assert seq.token_slice(start, stop) == seq.token_ids()[start:stop]

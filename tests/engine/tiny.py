@@ -7,6 +7,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers
 
 from kvabi.engine.engine import EngineConfig, LLMEngine
+from kvabi.engine.outputs import OutputAccumulator
 from kvabi.models.config import ModelConfig
 from kvabi.models.llama import LlamaModel
 from kvabi.models.registry import LoadedModel
@@ -52,9 +53,8 @@ def tiny_engine(seed: int = 0, **config) -> LLMEngine:
 
 def run_all(engine: LLMEngine, prompts, params) -> dict[str, object]:
     ids = [engine.add_request(p, params) for p in prompts]
-    done = {}
+    done, outputs = {}, OutputAccumulator()
     while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+        for out in outputs.add(engine.step()):
+            done[out.request_id] = out
     return [done[i] for i in ids]
