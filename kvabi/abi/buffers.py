@@ -39,12 +39,6 @@ class BufferSpec:
         return dim_of(self.axes, letter)
 
 
-def plane_groups(layer: LayerSpec, layout: Layout) -> list[tuple[Plane, ...]]:
-    """Planes that share one content axis: all of them when packed into C, else one each."""
-    planes = layer.planes
-    return [planes] if layout.planes == "concat" else [(p,) for p in planes]
-
-
 def owner_layers(desc: Descriptor) -> list[int]:
     """Layers that hold KV of their own (shared layers point at one of these)."""
     return [i for i, x in enumerate(desc.model.layers) if x.kind != SHARED]

@@ -253,15 +253,3 @@ def preset_descriptor(preset_name: str, model: ModelSpec, **overrides: object) -
             f"preset {preset_name!r} is for {preset.kind} layers; the model has {sorted(kinds)}"
         )
     return Descriptor(model, replace(preset.layout, **overrides))
-
-
-def presets_for(model: ModelSpec) -> list[str]:
-    """Names of the presets that can describe `model`'s cache."""
-    names = []
-    for name in PRESETS:
-        try:
-            preset_descriptor(name, model)
-        except DescriptorError:
-            continue
-        names.append(name)
-    return names

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from kvabi.bench.report import print_table, write_json
+from kvabi.abi.table import print_table
+from kvabi.bench.report import write_json
 from kvabi.engine.llm import LLM
 from kvabi.engine.sampling_params import SamplingParams
 from kvabi.models.cpu_kernels import cpu_kernels, kernel_status

@@ -6,7 +6,7 @@ the requested blocks (descriptor, token ids and block hashes in its meta, then o
 section per layer), after a connect-time handshake that authenticates the peers and refuses
 incompatible descriptors (`handshake.py`). A transport that `streams_layers` sends each
 section as soon as the prefill has stored its layer (`KVStream`). Implementations: `tcp`
-(`tcp_server.py`, `tcp_client.py`).
+(`tcp_transport.py`) and `nixl` (`nixl_transport.py`).
 """
 
 from __future__ import annotations

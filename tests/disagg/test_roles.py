@@ -14,7 +14,7 @@ from kvabi.disagg.roles import PrefillRole, PromptFeeds
 from kvabi.disagg.settings import DisaggSettings
 from kvabi.engine.async_engine import AsyncEngine
 from kvabi.engine.engine import EngineConfig, EngineHooks, LLMEngine
-from kvabi.transfer import tcp_client
+from kvabi.transfer import tcp_transport
 from kvabi.transfer.errors import RemoteError
 from kvabi.transfer.kv_staging import stage_payload
 from kvabi.transfer.tcp_transport import TcpTransport
@@ -46,7 +46,7 @@ class Recorder:
         self.events: list[tuple[str, int]] = []
         self.first_received = threading.Event()
         self.waited: bool | None = None
-        real = tcp_client.iter_layers
+        real = tcp_transport.iter_layers
 
         def iter_layers(*args: object):  # noqa: ANN202
             for item in real(*args):  # type: ignore[arg-type]
@@ -55,7 +55,7 @@ class Recorder:
                     self.first_received.set()
                 yield item
 
-        monkeypatch.setattr(tcp_client, "iter_layers", iter_layers)
+        monkeypatch.setattr(tcp_transport, "iter_layers", iter_layers)
 
     def feeds(self) -> PromptFeeds:
         """The prefill's hook, recording each layer stored (and holding back the last)."""

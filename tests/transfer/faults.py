@@ -25,8 +25,7 @@ from kvabi.transfer.framing import ChunkedSink
 from kvabi.transfer.nixl_server import NixlKVServer
 from kvabi.transfer.nixl_transport import DEPTH, NixlTransport
 from kvabi.transfer.nixl_windows import WindowSink
-from kvabi.transfer.tcp_server import TcpKVServer
-from kvabi.transfer.tcp_transport import TcpTransport
+from kvabi.transfer.tcp_transport import TcpKVServer, TcpTransport
 from kvabi.transfer.transport import KVServer, KVStream, StreamProvider
 from kvabi.wire.container_format import HEADER, SECTION_HEADER, padding
 
