@@ -8,8 +8,9 @@ own least recently used entries to stay under it.
 
 A tier may fail (a remote store goes away, a value in it is not what this code wrote): any
 exception from a tier's own code is a tier failure. The public methods catch it, count it, log
-the outage once and mark the tier down for `retry_s` seconds, during which it answers "absent"
-at once; the caller carries on with the tiers that are left. A request never fails because of
+the outage once (an outage lasts until a call succeeds again, however many retries fail) and
+mark the tier down for `retry_s` seconds, during which it answers "absent" at once; the caller
+carries on with the tiers that are left. A request never fails because of
 a tier, and no exception from one reaches the step loop.
 """
 
@@ -70,6 +71,7 @@ class KVTier(ABC):
         self.retry_s = retry_s
         self.stats = TierStats()
         self._down_until = 0.0
+        self._is_outage = False  # from a failure to the next success
         self._down_lock = threading.Lock()
 
     @property
@@ -117,11 +119,12 @@ class KVTier(ABC):
         except Exception as exc:
             self._failed(exc)
             return absent
+        self._is_outage = False
         return result
 
     def _failed(self, exc: Exception) -> None:
         with self._down_lock:
-            was_up = not self.is_down
+            was_up, self._is_outage = not self._is_outage, True
             self._down_until = time.monotonic() + self.retry_s
         self.stats.add(failures=1)
         if was_up:

@@ -121,6 +121,20 @@ def test_any_exception_from_a_tier_is_a_counted_failure_that_marks_it_down():
     assert not tier.is_down and tier.contains_many([h(1)]) == [True]
 
 
+def test_an_outage_is_logged_once_however_many_retries_fail(caplog):
+    tier = _Broken(1 << 20)
+    tier.retry_s = 0.05
+    for _ in range(3):  # each after the retry delay: asked again, failed again
+        time.sleep(0.06)
+        tier.get_many([h(1)])
+    assert tier.stats.failures == 3
+    assert caplog.text.count("host tier failed") == 1
+    time.sleep(0.06)
+    tier.put(h(1), b"entry")  # a success ends the outage: the next failure is logged
+    tier.get_many([h(1)])
+    assert caplog.text.count("host tier failed") == 2
+
+
 def test_a_redis_value_this_code_did_not_write_is_a_tier_failure(redis_server):  # noqa: F811
     tier = RedisTier(redis_server.url, 1 << 20, retry_s=0.2)
     tier.put(h(1), b"entry")
