@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator, Sequence
 
@@ -26,6 +27,7 @@ from kvabi.cache.tier import KVTier
 from kvabi.cache.tier_config import TierConfig
 from kvabi.cache.tier_writer import TierWriter
 
+log = logging.getLogger("kvabi.cache")
 Plan = list[tuple[KVTier, BlockKey]]
 
 
@@ -138,10 +140,13 @@ class TieredCache:
             return None
         try:
             return self.codec.decode(entry, key)
-        except IncompatibleError:
+        except IncompatibleError as exc:
             tier.stats.add(refused=1)
-        except Exception:  # KvabiError, or bytes no reader expects: never loaded either way
+            reason: Exception = exc
+        except Exception as exc:  # KvabiError, or bytes no reader expects: never loaded either way
             tier.stats.add(corrupt=1)
+            reason = exc
+        log.warning("kvabi: %s entry %s refused: %s", tier.name, key.block_hash.hex(), reason)
         tier.remove(key.block_hash)
         return None
 
