@@ -13,9 +13,10 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from kvabi.abi.buffers import CacheBuffers
 from kvabi.abi.descriptor import Descriptor
@@ -75,7 +76,8 @@ class TieredCache:
         """The verified blocks of the leading run of `keys` some tier holds (at most
         `max_blocks`), each from the first tier holding it, in order."""
         found: list[CacheBuffers] = []
-        for tier, run in _runs(self._plan(keys)[:max_blocks]):
+        for tier, entries in itertools.groupby(self._plan(keys)[:max_blocks], key=lambda e: e[0]):
+            run = [key for _, key in entries]  # consecutive blocks the same tier serves
             caches = self._fetch_run(tier, run)
             found += caches
             if len(caches) < len(run):
@@ -149,14 +151,3 @@ class TieredCache:
         log.warning("kvabi: %s entry %s refused: %s", tier.name, key.block_hash.hex(), reason)
         tier.remove(key.block_hash)
         return None
-
-
-def _runs(plan: Plan) -> Iterator[tuple[KVTier, list[BlockKey]]]:
-    """Consecutive plan entries served by the same tier."""
-    i = 0
-    while i < len(plan):
-        j = i
-        while j < len(plan) and plan[j][0] is plan[i][0]:
-            j += 1
-        yield plan[i][0], [k for _, k in plan[i:j]]
-        i = j

@@ -106,9 +106,7 @@ class AsyncEngine:
             self._thread.join()
             self._thread = None
         self._fail_all("the server is shutting down")
-        close = getattr(self.engine, "close", None)  # lower KV tiers finish their write-downs
-        if callable(close):
-            close()
+        self.engine.close()  # lower KV tiers finish their write-downs
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
         """Queue a checked prompt; raises OverloadedError past `max_in_flight` requests."""
@@ -211,15 +209,14 @@ class AsyncEngine:
             self._call_soon(self._dispatch, outputs, now)
 
     def _snapshot(self) -> EngineSnapshot:
-        stats = getattr(self.engine, "cache_stats", None)  # arrives with the prefix cache
         scheduler = self.engine.scheduler
         return EngineSnapshot(
             num_blocks=self.engine.cache.num_blocks,
             num_free_blocks=self.engine.cache.num_free_blocks,
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
-            num_preemptions=getattr(scheduler, "num_preemptions", 0),
-            cache_stats=dict(stats()) if callable(stats) else {},
+            num_preemptions=scheduler.num_preemptions,
+            cache_stats=self.engine.cache_stats(),
             has_work=self.engine.has_unfinished(),
             cache_tags=self.engine.cache_tags(),
         )
