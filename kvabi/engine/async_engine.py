@@ -209,6 +209,7 @@ class AsyncEngine:
             self._call_soon(self._dispatch, outputs, now)
 
     def _snapshot(self) -> EngineSnapshot:
+        stats = getattr(self.engine, "cache_stats", None)  # a test engine may go without
         scheduler = self.engine.scheduler
         return EngineSnapshot(
             num_blocks=self.engine.cache.num_blocks,
@@ -216,7 +217,7 @@ class AsyncEngine:
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
             num_preemptions=scheduler.num_preemptions,
-            cache_stats=self.engine.cache_stats(),
+            cache_stats=dict(stats()) if callable(stats) else {},
             has_work=self.engine.has_unfinished(),
             cache_tags=self.engine.cache_tags(),
         )
