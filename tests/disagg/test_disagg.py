@@ -9,7 +9,8 @@ import httpx
 import pytest
 
 from tests.disagg.processes import Instance, start_all, through_router, tiny_args
-from tests.server.tiny_server import sse_events, tiny_folder
+from tests.engine.tiny import greedy_reference
+from tests.server.tiny_server import chat_loaded, sse_events, tiny_folder
 
 CHAT = {
     "model": "tiny",
@@ -35,6 +36,20 @@ def fleet(tmp_path_factory):
     yield instances
     for i in instances.values():
         i.process.stop()
+
+
+def test_the_compared_answers_have_no_near_ties():
+    """A routed request's decode instance computes only the prompt's tail, or all of it in
+    other blocks, so its logits round otherwise than the colocated run's: its greedy text is
+    compared exactly because every step of these answers is clear of a near-tie (tiny.py)."""
+    tokenizer = chat_loaded().tokenizer
+    answers = {CHAT["messages"][0]["content"]: 12, "TransferTimeoutError": 6, "ChecksumError": 6}
+    answers |= {"killed mid-transfer": 12, "killed mid-decode": 400}
+    answers |= {"a killed decode instance": 13, "a prompt nobody has seen yet": 12}
+    for content, num_tokens in answers.items():
+        messages = [{"role": "user", "content": content}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        greedy_reference(ids, num_tokens)
 
 
 def colocated(instance: Instance, body: dict) -> httpx.Response:
