@@ -75,7 +75,9 @@ def test_n_shares_the_prompt_blocks_and_seeds_reproduce():
     texts = [c.token_ids for c in out[0].outputs]
     assert len(set(texts)) > 1  # three different samples
     again = run_all(tiny_engine(block_size=16), [PROMPTS[1]], params)[0]
-    assert [c.token_ids for c in again.outputs] == texts  # same seeds, other block size
+    # same seeds, other block size: the probabilities move by ~1e-6, too little to change a
+    # draw unless its uniform falls that close to a bucket's edge (as in test_isolation.py)
+    assert [c.token_ids for c in again.outputs] == texts
     assert engine.pool.num_free == engine.pool.num_blocks
 
 
