@@ -4,6 +4,7 @@ colocated kvabi for same- and mixed-layout pairs, and every fault ends in a serv
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import pytest
@@ -119,7 +120,9 @@ def test_a_decode_instance_killed_mid_decode_is_replaced(fleet):
     body = CHAT | {"max_tokens": 400, "ignore_eos": True}
     body["messages"] = [{"role": "user", "content": "killed mid-decode"}]
     want = text(colocated(fleet["prefill"], body))
-    killer = threading.Timer(0.3, fleet["mixed"].kill)
+    # Killed once it holds blocks, not after a fixed delay: at one thread the 400 tokens take
+    # ~0.6 s here (at two, several seconds), so a 0.3 s timer could fire after the answer.
+    killer = threading.Thread(target=_kill_when_busy, args=(fleet["mixed"],))
     killer.start()
     got = routed([fleet["prefill"]], [fleet["mixed"], fleet["same"]], body)
     killer.join()
@@ -127,6 +130,17 @@ def test_a_decode_instance_killed_mid_decode_is_replaced(fleet):
     assert got.headers["x-kvabi-retries"] == "1"
     assert text(got) == want
     assert fleet["same"].free_blocks() == (128, 128)
+
+
+def _kill_when_busy(instance: Instance, timeout_s: float = 30.0) -> None:
+    """Kill `instance` as soon as a request holds blocks of its pool."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        free, total = instance.free_blocks()
+        if free < total:
+            break
+        time.sleep(0.005)
+    instance.kill()
 
 
 def test_killed_instances_cost_no_request(fleet):
