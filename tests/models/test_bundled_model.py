@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvabi.models import ContiguousAttention, LoadedModel, load_model
+from tests.conftest import assert_greedy_agrees
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -68,7 +69,12 @@ def test_logits_match_transformers(ours: LoadedModel, hf: torch.nn.Module, promp
     logits = ours.model(ids, torch.arange(ids.shape[0]), attn)
     expected = hf(ids[None]).logits[0]
     assert (logits - expected).abs().max() < LOGIT_TOLERANCE
-    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+    # So the argmax can swap only where HF's top two are within 2 x the bound (one position of
+    # PROMPTS[2] is 1.9e-3 apart); everywhere else it must agree.
+    top2 = expected.topk(2, dim=-1).values
+    clear = top2[:, 0] - top2[:, 1] > 2 * LOGIT_TOLERANCE
+    assert clear.float().mean() > 0.9
+    assert torch.equal(logits.argmax(-1)[clear], expected.argmax(-1)[clear])
 
 
 @torch.inference_mode()
@@ -85,7 +91,10 @@ def _greedy(ours: LoadedModel, ids: list[int]) -> list[int]:
 
 
 @torch.inference_mode()
-def _hf_greedy(hf: torch.nn.Module, ids: list[int], eos: tuple[int, ...]) -> list[int]:
+def _hf_greedy(
+    hf: torch.nn.Module, ids: list[int], eos: tuple[int, ...]
+) -> tuple[list[int], list[float]]:
+    """HF's greedy tokens, and each step's top-2 logit margin."""
     prompt = torch.tensor([ids])
     out = hf.generate(
         prompt,
@@ -94,8 +103,11 @@ def _hf_greedy(hf: torch.nn.Module, ids: list[int], eos: tuple[int, ...]) -> lis
         max_new_tokens=NUM_NEW_TOKENS,
         eos_token_id=list(eos),
         pad_token_id=eos[0],
+        return_dict_in_generate=True,
+        output_logits=True,
     )
-    return out[0, len(ids) :].tolist()
+    top2 = [step[0].topk(2).values for step in out.logits]
+    return out.sequences[0, len(ids) :].tolist(), [float(t[0] - t[1]) for t in top2]
 
 
 @pytest.mark.parametrize("prompt", PROMPTS[1:])  # PROMPTS[0] ends after 9 tokens, see below
@@ -105,12 +117,13 @@ def test_greedy_16_tokens_match_transformers(
     ids = _chat_ids(ours, prompt)
     generated = _greedy(ours, ids)
     assert len(generated) == NUM_NEW_TOKENS
-    assert generated == _hf_greedy(hf, ids, ours.stop_token_ids)
+    # logits within LOGIT_TOLERANCE: the tokens may part only at one of HF's near-ties
+    assert_greedy_agrees(generated, *_hf_greedy(hf, ids, ours.stop_token_ids), LOGIT_TOLERANCE)
 
 
 def test_answers_the_capital_question_and_stops(ours: LoadedModel, hf: torch.nn.Module) -> None:
     ids = _chat_ids(ours, PROMPTS[0])
     generated = _greedy(ours, ids)
-    assert generated == _hf_greedy(hf, ids, ours.stop_token_ids)
+    assert_greedy_agrees(generated, *_hf_greedy(hf, ids, ours.stop_token_ids), LOGIT_TOLERANCE)
     assert generated[-1] == ours.tokenizer.token_id("<|im_end|>")
     assert ours.tokenizer.decode(generated[:-1]) == "The capital of France is Paris."

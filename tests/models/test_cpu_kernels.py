@@ -21,13 +21,25 @@ def kernels():
 
 
 def check(got: torch.Tensor, want: torch.Tensor) -> None:
-    """bf16: the kernels reproduce torch's roundings, so the bits agree; float32: FMA
-    contraction and summation order differ, within a few ulps."""
+    """bf16: the kernels reproduce torch's roundings op by op, so the bits agree on any CPU;
+    float32: FMA contraction and summation order differ, within a few ulps."""
     assert got.dtype == want.dtype and got.shape == want.shape
     if got.dtype == torch.bfloat16:
         assert torch.equal(got, want)
     else:
         torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+
+
+def check_norm(got: torch.Tensor, want: torch.Tensor) -> None:
+    """As `check`, except that a bf16 element may be one ulp off: the float32 sum of squares
+    is reduced in another order than torch's (each picks its vector width for the CPU), so
+    it may differ in its last bit, and a value that lands next to a bf16 rounding boundary
+    then rounds to the neighbour. Rare: at most 1% of the elements."""
+    if got.dtype != torch.bfloat16:
+        return check(got, want)
+    assert got.shape == want.shape and want.dtype == torch.bfloat16
+    ulps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()  # same signs
+    assert ulps.max() <= 1 and (ulps > 0).float().mean() < 0.01
 
 
 def torch_decode(q, k, v, tables, lens):
@@ -111,13 +123,13 @@ def test_rms_norm_and_the_fused_residual_add_equal_hf_rmsnorm(kernels, dtype):
     norm = RMSNorm(96, 1e-5)
     norm.weight.data = torch.randn(96, generator=gen).to(dtype)
     with torch.inference_mode():
-        check(kernels.rms_norm(x, norm.weight, norm.eps), norm(x))
+        check_norm(kernels.rms_norm(x, norm.weight, norm.eps), norm(x))
         updated = residual.clone()
         got = kernels.rms_norm(x, norm.weight, norm.eps, residual=updated)
-        assert torch.equal(updated, residual + x)  # the residual stream, updated in place
-        check(got, norm(residual + x))
+        assert torch.equal(updated, residual + x)  # the residual stream: one add, exact
+        check_norm(got, norm(residual + x))
         strided = torch.randn(7, 200, generator=gen).to(dtype)[:, 10:106]  # a row-strided input
-        check(kernels.rms_norm(strided, norm.weight, norm.eps), norm(strided))
+        check_norm(kernels.rms_norm(strided, norm.weight, norm.eps), norm(strided))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

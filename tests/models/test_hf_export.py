@@ -60,7 +60,11 @@ def test_transformers_gives_our_logits(ours: LoadedModel, folder: Path) -> None:
     logits = ours.model(ids, torch.arange(ids.shape[0]), ContiguousAttention(30))
     expected = hf(ids[None]).logits[0]
     assert (logits - expected).abs().max() < LOGIT_TOLERANCE
-    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+    # the argmax may swap only where HF's top two are within 2 x the bound (none here)
+    top2 = expected.topk(2, dim=-1).values
+    clear = top2[:, 0] - top2[:, 1] > 2 * LOGIT_TOLERANCE
+    assert clear.float().mean() > 0.9
+    assert torch.equal(logits.argmax(-1)[clear], expected.argmax(-1)[clear])
 
 
 def test_transformers_tokenizer_encodes_like_ours(ours: LoadedModel, folder: Path) -> None:

@@ -13,6 +13,7 @@ from kvabi.models.hf_loader import read_hf_config
 from tests.models.tiny import LLAMA3_ROPE, TINY, hf_logits, make_hf, our_logits, random_ids
 
 pytest.importorskip("transformers")
+BF16_LOGIT_TOL = 0.1
 
 VARIANTS = {
     "llama": ("llama", {}),
@@ -80,9 +81,16 @@ def test_bf16_weights(tmp_path: Path) -> None:
     ids = random_ids(16)
     ours = our_logits(model, ids).float()
     reference = hf_logits(hf.to(torch.bfloat16), ids).float()
-    # Both round every op to bf16 (8 mantissa bits); the kernels differ in accumulation order.
-    assert (ours - reference).abs().max() < 0.1
-    assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+    # Both round every op to bf16 (8 mantissa bits); the kernels differ in accumulation order,
+    # which oneDNN picks by shape and CPU (AMX or AVX512-BF16). Measured 0.059 on logits up to
+    # ~4.2, where one bf16 ulp is 2^-5: the bound is about 3 ulps.
+    assert (ours - reference).abs().max() < BF16_LOGIT_TOL
+    # So the argmax can swap only where the reference's top two are within 2 x the bound (two
+    # of the 16 positions here: 0.047 and 0.125 apart); everywhere else it must agree.
+    top2 = reference.topk(2, dim=-1).values
+    clear = top2[:, 0] - top2[:, 1] > 2 * BF16_LOGIT_TOL
+    assert clear.sum() >= 12
+    assert torch.equal(ours.argmax(-1)[clear], reference.argmax(-1)[clear])
 
 
 def test_generation_config_eos_is_merged(tmp_path: Path) -> None:
