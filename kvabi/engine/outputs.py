@@ -40,12 +40,12 @@ class RequestOutput:
 def request_delta(request_id: str, seqs: list[Sequence]) -> RequestOutput:
     """What the request's choices produced since its last delta (choices with nothing new left
     out); what it hands out is marked sent."""
-    deltas = (_choice_delta(s) for s in sorted(seqs, key=lambda s: s.index))
+    deltas = [_choice_delta(s) for s in sorted(seqs, key=lambda s: s.index)]
+    outputs = tuple(d for d in deltas if d is not None)
     error = next((s.error for s in seqs if s.error is not None), None)
     finished = error is not None or (
         len(seqs) == seqs[0].params.n and all(s.is_finished for s in seqs)
     )
-    outputs = tuple(d for d in deltas if d is not None)
     return RequestOutput(request_id, tuple(seqs[0].prompt_ids), outputs, finished, error)
 
 
