@@ -41,7 +41,7 @@ class BufferSpec:
 
 def owner_layers(desc: Descriptor) -> list[int]:
     """Layers that hold KV of their own (shared layers point at one of these)."""
-    return [i for i, x in enumerate(desc.model.layers) if x.kind != SHARED]
+    return [i for i, x in enumerate(desc.model.layers) if x.has_kv]
 
 
 @lru_cache(maxsize=1024)

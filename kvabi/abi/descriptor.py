@@ -26,7 +26,8 @@ from kvabi.abi.layout import (  # noqa: F401 - re-exported: the descriptor's pub
 ABI_MAJOR = 1
 ABI_MINOR = 0
 
-ATTN, MLA, SHARED = "attn", "mla", "shared"
+ATTN, MLA, SHARED, NONE = "attn", "mla", "shared", "none"
+SWA = "swa"  # the JSON kind of an attention layer with a window (ABI 1.2); inside, ATTN + window
 ROPE_PAIRINGS = ("half", "pairs")  # half: (i, i+d/2) as HF rotate_half / NEOX; pairs: (2i, 2i+1)
 
 
@@ -41,7 +42,12 @@ class Plane:
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """What one layer caches. `shares` names the layer whose KV a `shared` layer reads."""
+    """What one layer caches. `shares` names the earlier layer whose KV a `shared` layer reads.
+
+    `window` (ABI 1.2): a sliding-window attention layer, whose query at position t attends to
+    keys t - window + 1 .. t; 0 is full attention. A `shared` layer states its own window,
+    which must equal its target's. `none`: a layer without KV (e.g. a state-space layer).
+    """
 
     kind: str = ATTN
     num_kv_heads: int = 0
@@ -50,8 +56,13 @@ class LayerSpec:
     latent_dim: int = 0
     rope_dim: int = 0
     shares: int = -1
+    window: int = 0
 
     def __post_init__(self) -> None:
+        if self.window < 0 or (self.window and self.kind not in (ATTN, SHARED)):
+            raise field_error(
+                "window", f"{self.window}: a window is >= 0, on attention or shared layers only"
+            )
         if self.kind == ATTN:
             for name in ("num_kv_heads", "k_dim", "v_dim"):
                 if getattr(self, name) < 1:
@@ -70,10 +81,15 @@ class LayerSpec:
                 raise field_error(
                     "shares", f"a shared layer must name the layer it reads, got {self.shares}"
                 )
-        else:
+        elif self.kind != NONE:
             raise field_error(
-                "kind", f"unknown layer kind {self.kind!r}; expected attn, mla or shared"
+                "kind", f"unknown layer kind {self.kind!r}; expected attn, mla, shared or none"
             )
+
+    @property
+    def has_kv(self) -> bool:
+        """Whether the layer owns KV (attention or MLA): shared and `none` layers do not."""
+        return self.kind in (ATTN, MLA)
 
     @property
     def planes(self) -> tuple[Plane, ...]:
@@ -130,13 +146,7 @@ class ModelSpec(_CachedHash):
             raise field_error("layers", "a cache needs at least one layer")
         for i, layer in enumerate(self.layers):
             if layer.kind == SHARED:
-                target = self.layers[layer.shares] if layer.shares < len(self.layers) else None
-                if layer.shares == i or target is None or target.kind == SHARED:
-                    raise field_error(
-                        "shares",
-                        f"layer {i} shares layer {layer.shares}, which is not a "
-                        "layer with KV of its own",
-                    )
+                _check_shares(self.layers, i, layer)
         if self.rope_pairing not in ROPE_PAIRINGS:
             raise field_error(
                 "rope_pairing", f"{self.rope_pairing!r}; expected one of {ROPE_PAIRINGS}"
@@ -150,6 +160,12 @@ class ModelSpec(_CachedHash):
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def min_version(self) -> tuple[int, int]:
+        """1.2 when a layer has a window or no KV; else 1.0."""
+        is_hybrid = any(x.window or x.kind == NONE for x in self.layers)
+        return (1, 2) if is_hybrid else (1, 0)
 
     def compat_digest(self) -> str:
         """Hex SHA-256 (first 16 bytes) of everything two caches must agree on to exchange data.
@@ -185,7 +201,8 @@ class Descriptor(_CachedHash):
     def __post_init__(self) -> None:
         # A descriptor is written as the lowest version that has the features it uses, so a
         # 1.0 reader still reads every cache 1.0 can describe and refuses the rest.
-        object.__setattr__(self, "version", max(tuple(self.version), self.layout.min_version))
+        version = max(tuple(self.version), self.layout.min_version, self.model.min_version)
+        object.__setattr__(self, "version", version)
         _check_pair(self.model, self.layout)
 
     def with_layout(self, **changes: object) -> Descriptor:
@@ -269,8 +286,25 @@ def parse_version(text: str) -> tuple[int, int]:
     return major, minor
 
 
+def _check_shares(layers: tuple[LayerSpec, ...], i: int, layer: LayerSpec) -> None:
+    """A shared layer reads an earlier layer with KV of its own, of the same attention kind."""
+    target = layers[layer.shares] if layer.shares < len(layers) else None
+    if layer.shares >= i or target is None or not target.has_kv:
+        raise field_error(
+            "shares",
+            f"layer {i} shares layer {layer.shares}, which is not an earlier layer with KV "
+            "of its own",
+        )
+    if target.window != layer.window:
+        raise field_error(
+            "shares",
+            f"layer {i} (window {layer.window}) shares layer {layer.shares} of another kind "
+            f"(window {target.window})",
+        )
+
+
 def _check_pair(model: ModelSpec, lay: Layout) -> None:
-    owners = [(i, x) for i, x in enumerate(model.layers) if x.kind != SHARED]
+    owners = [(i, x) for i, x in enumerate(model.layers) if x.has_kv]
     for i, layer in owners:
         planes = layer.planes
         if lay.planes == "axis" and len({(p.num_heads, p.width) for p in planes}) > 1:
@@ -320,7 +354,7 @@ def _check_tiles(model: ModelSpec, lay: Layout) -> None:
             continue
         h_tile, c_tile = tile_product(axes, "H"), tile_product(axes, "C")
         for i, layer in enumerate(model.layers):
-            if layer.kind == SHARED:
+            if not layer.has_kv:
                 continue
             heads = layer.num_kv_heads // lay.tp_size if layer.kind == ATTN else 1
             if heads % h_tile or any(p.width % c_tile for p in layer.planes):
@@ -336,21 +370,34 @@ def _canonical(obj: object) -> str:
 
 
 def _layer_json(layer: LayerSpec) -> dict:
+    """A windowed attention layer is kind `swa` (1.2), so that a 1.0/1.1 reader, which ignores
+    fields it does not know, refuses it instead of reading it as full attention."""
+    window = {"window": layer.window} if layer.window else {}
     if layer.kind == ATTN:
         return {
-            "kind": ATTN,
+            "kind": SWA if layer.window else ATTN,
             "k_dim": layer.k_dim,
             "num_kv_heads": layer.num_kv_heads,
             "v_dim": layer.v_dim,
+            **window,
         }
     if layer.kind == MLA:
         return {"kind": MLA, "latent_dim": layer.latent_dim, "rope_dim": layer.rope_dim}
-    return {"kind": SHARED, "shares": layer.shares}
+    if layer.kind == NONE:
+        return {"kind": NONE}
+    return {"kind": SHARED, "shares": layer.shares, **window}
 
 
 def _layer_from_json(data: dict) -> LayerSpec:
     known = LayerSpec.__dataclass_fields__
-    return LayerSpec(**{k: v for k, v in data.items() if k in known})
+    fields_ = {k: v for k, v in data.items() if k in known}
+    if fields_.get("kind") == SWA:
+        if int(fields_.get("window", 0)) < 1:
+            raise field_error("window", "a swa layer needs window >= 1")
+        fields_["kind"] = ATTN
+    elif fields_.get("kind") == ATTN and fields_.get("window"):
+        raise field_error("window", "an attn layer has no window (a windowed layer is swa)")
+    return LayerSpec(**fields_)
 
 
 def _layer_text(layer: LayerSpec) -> str:

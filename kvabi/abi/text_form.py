@@ -2,7 +2,8 @@
 
 Example: ``kvabi/1.0 layers=30*attn:3x64 fp=smollm2 rope=post:half axes=LKBNHC bs=16 dtype=bf16``.
 Fields are space-separated ``key=value``; defaults (quant=none, tp=0/1, ...) are omitted.
-Layers are run-length encoded: ``attn:HxK`` or ``attn:HxK/V``, ``mla:LATENT+ROPE``, ``shared@J``.
+Layers are run-length encoded: ``attn:HxK`` or ``attn:HxK/V``, ``swaW:HxK`` (window W, 1.2),
+``mla:LATENT+ROPE``, ``shared@J`` or ``shared@J:swaW``, ``none``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from urllib.parse import quote, unquote
 from kvabi.abi.descriptor import (
     ATTN,
     MLA,
+    NONE,
     SHARED,
+    SWA,
     Descriptor,
     LayerSpec,
     Layout,
@@ -24,25 +27,37 @@ from kvabi.abi.errors import DescriptorError
 
 
 def layer_to_text(layer: LayerSpec) -> str:
+    kind = f"{SWA}{layer.window}" if layer.window else ATTN
     if layer.kind == ATTN:
         dims = f"{layer.k_dim}" if layer.k_dim == layer.v_dim else f"{layer.k_dim}/{layer.v_dim}"
-        return f"attn:{layer.num_kv_heads}x{dims}"
+        return f"{kind}:{layer.num_kv_heads}x{dims}"
     if layer.kind == MLA:
         return f"mla:{layer.latent_dim}+{layer.rope_dim}"
-    return f"shared@{layer.shares}"
+    if layer.kind == NONE:
+        return NONE
+    return f"shared@{layer.shares}" + (f":{kind}" if layer.window else "")
 
 
 def layer_from_text(text: str) -> LayerSpec:
     kind, _, rest = text.partition(":")
-    if kind == ATTN:
-        heads, _, dims = rest.partition("x")
-        k_dim, _, v_dim = dims.partition("/")
-        return LayerSpec(ATTN, int(heads), int(k_dim), int(v_dim or k_dim))
-    if kind == MLA:
-        latent, _, rope = rest.partition("+")
-        return LayerSpec(MLA, latent_dim=int(latent), rope_dim=int(rope or 0))
-    if text.startswith("shared@"):
-        return LayerSpec(SHARED, shares=int(text[len("shared@") :]))
+    try:
+        window = int(kind[len(SWA) :]) if kind.startswith(SWA) else 0
+        if kind == ATTN or window:
+            heads, _, dims = rest.partition("x")
+            k_dim, _, v_dim = dims.partition("/")
+            return LayerSpec(ATTN, int(heads), int(k_dim), int(v_dim or k_dim), window=window)
+        if kind == MLA:
+            latent, _, rope = rest.partition("+")
+            return LayerSpec(MLA, latent_dim=int(latent), rope_dim=int(rope or 0))
+        if text == NONE:
+            return LayerSpec(NONE)
+        if kind.startswith("shared@"):
+            window = int(rest[len(SWA) :]) if rest.startswith(SWA) else 0
+            if rest and not window:
+                raise ValueError(rest)
+            return LayerSpec(SHARED, shares=int(kind[len("shared@") :]), window=window)
+    except ValueError:
+        pass
     raise DescriptorError(f"layers: cannot read layer {text!r}")
 
 

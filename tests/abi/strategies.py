@@ -2,7 +2,7 @@
 
 from hypothesis import strategies as st
 
-from kvabi.abi.descriptor import ATTN, MLA, SHARED, Descriptor, LayerSpec, Layout, ModelSpec
+from kvabi.abi.descriptor import ATTN, MLA, NONE, SHARED, Descriptor, LayerSpec, Layout, ModelSpec
 
 PAGED_AXES = ["KBNHC", "KBHNC", "BKNHC", "BKHNC", "BNHKC", "BHNKC", "HKBNC", "BNKHC"]
 CROSS_AXES = ["BLKNHC", "BHLKNC", "BKHLNC", "BLHNKC", "LKBNHC"]
@@ -30,12 +30,17 @@ def attn_models(draw, max_layers: int = 3, uniform: bool = False) -> ModelSpec:
             k = first.k_dim
             layer = LayerSpec(ATTN, first.num_kv_heads, k, k)
         elif draw(st.booleans()) and i > 0:
-            layer = LayerSpec(SHARED, shares=draw(st.integers(0, i - 1)).__index__())
-            if layers[layer.shares].kind == SHARED:
+            target = draw(st.integers(0, i - 1)).__index__()
+            if layers[target].has_kv:
+                layer = LayerSpec(SHARED, shares=target, window=layers[target].window)
+            else:
                 layer = layers[0]
+        elif draw(st.integers(0, 5)) == 0:
+            layer = LayerSpec(NONE)  # a layer without KV (ABI 1.2)
         else:
             k = draw(dims)
-            layer = LayerSpec(ATTN, draw(heads), k, k)
+            window = draw(st.sampled_from([0, 0, 4, 512]))  # sliding layers (ABI 1.2)
+            layer = LayerSpec(ATTN, draw(heads), k, k, window=window)
         layers.append(layer)
     pairing = draw(st.sampled_from(["half", "pairs"]))
     return ModelSpec(tuple(layers), fingerprint=draw(st.text(max_size=8)), rope_pairing=pairing)
@@ -43,7 +48,7 @@ def attn_models(draw, max_layers: int = 3, uniform: bool = False) -> ModelSpec:
 
 @st.composite
 def attn_layouts(draw, model: ModelSpec) -> Layout:
-    uniform = len({x for x in model.layers if x.kind != SHARED}) == 1
+    uniform = len({x for x in model.layers if x.has_kv}) == 1
     kinds = ["paged", "unpaged", "separate", "tiled"] + (["cross"] if uniform else [])
     kind = draw(st.sampled_from(kinds))
     dtype = draw(st.sampled_from(["f32", "bf16", "f16"]))
