@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kvabi.abi.buffers import buffer_specs
-from kvabi.abi.descriptor import ATTN, Descriptor, LayerSpec, ModelSpec
+from kvabi.abi.descriptor import Descriptor, ModelSpec
 from kvabi.abi.presets import PRESETS, preset_descriptor
 from kvabi.cache.block_events import BlockEventSink
 from kvabi.cache.kv_cache import KVCache
@@ -90,9 +90,7 @@ class EngineInfo:
 
 
 def model_spec(loaded: LoadedModel, fingerprint: str) -> ModelSpec:
-    c = loaded.config
-    layer = LayerSpec(ATTN, c.num_kv_heads, c.head_dim, c.head_dim)
-    return ModelSpec((layer,) * c.num_layers, fingerprint)
+    return ModelSpec(loaded.config.kv_layers(), fingerprint)
 
 
 class LLMEngine:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvabi.abi.descriptor import ATTN, LayerSpec
+
 ARCHITECTURES = ("llama", "mistral", "qwen2")
 ROPE_SCALING_TYPES = ("linear", "llama3")
 
@@ -126,3 +128,9 @@ class ModelConfig:
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    def kv_layers(self) -> tuple[LayerSpec, ...]:
+        """What each layer caches (the descriptor's layer specs): a Llama-family model has one
+        kind of layer, windowed when `sliding_window` is set (Mistral)."""
+        dim, window = self.head_dim, self.sliding_window or 0
+        return (LayerSpec(ATTN, self.num_kv_heads, dim, dim, window=window),) * self.num_layers

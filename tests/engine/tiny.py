@@ -66,7 +66,7 @@ def greedy_reference(prompt, max_tokens: int, seed: int = 0) -> tuple[int, ...]:
     Fails at a step whose top-2 logit margin is under MIN_MARGIN: another run's GEMMs could
     round that step either way, so no test may compare its tokens exactly."""
     model = tiny_loaded(seed).model
-    attn = ContiguousAttention(model.config.num_layers)
+    attn = ContiguousAttention.for_config(model.config)
     ids = list(prompt)
     logits = model(torch.tensor(ids), torch.arange(len(ids)), attn)[-1]  # [vocab]
     out: list[int] = []

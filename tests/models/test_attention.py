@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvabi.abi.descriptor import ATTN, SHARED, LayerSpec
 from kvabi.models import ContiguousAttention, LlamaModel, ModelConfig
 from tests.models.tiny import our_logits, our_logits_incremental, random_ids
 
@@ -32,7 +33,8 @@ def test_chunked_calls_match_reference(window: int | None, chunks: tuple[int, ..
     total = sum(chunks)
     q = torch.randn(total, NUM_HEADS, HEAD_DIM)
     k, v = torch.randn(2, total, NUM_KV_HEADS, HEAD_DIM)
-    attn = ContiguousAttention(num_layers=2, sliding_window=window)
+    layer = LayerSpec(ATTN, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM, window=window or 0)
+    attn = ContiguousAttention((layer, layer))
     start = 0
     for size in chunks:
         end = start + size
@@ -72,8 +74,19 @@ def test_the_model_hands_post_rope_k_to_the_attention() -> None:
     assert not torch.allclose(keys[0][0], keys[0][1])
 
 
+def test_a_shared_layer_attends_to_its_targets_kv() -> None:
+    torch.manual_seed(0)
+    q = torch.randn(2, 5, NUM_HEADS, HEAD_DIM)
+    k, v = torch.randn(2, 5, NUM_KV_HEADS, HEAD_DIM)
+    target = LayerSpec(ATTN, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM, window=3)
+    attn = ContiguousAttention((target, LayerSpec(SHARED, shares=0, window=3)))
+    for start, end in ((0, 4), (4, 5)):
+        attn(0, q[0, start:end], k[start:end], v[start:end])
+        out = attn(1, q[1, start:end], None, None)
+        torch.testing.assert_close(out, reference(q[1, start:end], k[:end], v[:end], 3))
+    assert attn.keys[1] is None  # the shared layer stores nothing
+
+
 def test_bad_arguments() -> None:
-    with pytest.raises(ValueError, match="num_layers"):
-        ContiguousAttention(0)
-    with pytest.raises(ValueError, match="sliding_window"):
-        ContiguousAttention(2, sliding_window=0)
+    with pytest.raises(ValueError, match="layers"):
+        ContiguousAttention(())

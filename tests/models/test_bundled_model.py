@@ -65,7 +65,7 @@ def test_weights_are_bit_identical_to_transformers(ours: LoadedModel, hf: torch.
 @torch.inference_mode()
 def test_logits_match_transformers(ours: LoadedModel, hf: torch.nn.Module, prompt: str) -> None:
     ids = torch.tensor(_chat_ids(ours, prompt))
-    attn = ContiguousAttention(ours.config.num_layers)
+    attn = ContiguousAttention.for_config(ours.config)
     logits = ours.model(ids, torch.arange(ids.shape[0]), attn)
     expected = hf(ids[None]).logits[0]
     assert (logits - expected).abs().max() < LOGIT_TOLERANCE
@@ -75,7 +75,7 @@ def test_logits_match_transformers(ours: LoadedModel, hf: torch.nn.Module, promp
 
 @torch.inference_mode()
 def _greedy(ours: LoadedModel, ids: list[int]) -> list[int]:
-    attn = ContiguousAttention(ours.config.num_layers)
+    attn = ContiguousAttention.for_config(ours.config)
     tokens, positions, out = torch.tensor(ids), torch.arange(len(ids)), []
     for _ in range(NUM_NEW_TOKENS):
         next_id = int(ours.model(tokens, positions, attn)[-1].argmax())

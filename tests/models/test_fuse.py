@@ -1,7 +1,7 @@
 import torch
 
 from kvabi.models import ContiguousAttention
-from tests.models.tiny import TINY, make_hf, random_ids
+from tests.models.tiny import make_hf, random_ids
 
 
 def test_fused_projections_keep_outputs_and_the_state_dict(tmp_path):
@@ -11,10 +11,10 @@ def test_fused_projections_keep_outputs_and_the_state_dict(tmp_path):
         make_hf(arch).save_pretrained(tmp_path / arch)
         model = load_hf(tmp_path / arch, "fp32", progress=False).build()
         ids = random_ids(12)
-        before = model(ids, torch.arange(12), ContiguousAttention(TINY["num_hidden_layers"]))
+        before = model(ids, torch.arange(12), ContiguousAttention.for_config(model.config))
         state = {k: v.clone() for k, v in model.state_dict().items()}
         model.fuse_projections().fuse_projections()  # idempotent
-        after = model(ids, torch.arange(12), ContiguousAttention(TINY["num_hidden_layers"]))
+        after = model(ids, torch.arange(12), ContiguousAttention.for_config(model.config))
         assert torch.allclose(before, after, atol=1e-5)
         fused = model.state_dict()
         assert fused.keys() == state.keys()
@@ -34,9 +34,9 @@ def test_fused_cpu_kernels_keep_the_model_outputs():
         model = tiny_loaded(dtype=dtype).model.use_kernels(None)  # loaded with kernels on
         ids = random_ids(12)
         with torch.inference_mode():
-            before = model(ids, torch.arange(12), ContiguousAttention(TINY["num_hidden_layers"]))
+            before = model(ids, torch.arange(12), ContiguousAttention.for_config(model.config))
             model.use_kernels(kernels)
-            after = model(ids, torch.arange(12), ContiguousAttention(TINY["num_hidden_layers"]))
+            after = model(ids, torch.arange(12), ContiguousAttention.for_config(model.config))
             model.use_kernels(None)
         scale = before.abs().max().item()  # fp32: float rounding only; bf16: rare ulp flips
         tol = (1e-5 if dtype == torch.float32 else 0.05) * scale

@@ -58,7 +58,9 @@ def test_transformers_gives_our_logits(ours: LoadedModel, folder: Path) -> None:
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     message = [{"role": "user", "content": TEXTS[0]}]
     ids = torch.tensor(ours.tokenizer.apply_chat_template(message, add_generation_prompt=True))
-    logits = ours.model(ids, torch.arange(ids.shape[0]), ContiguousAttention(30))
+    logits = ours.model(
+        ids, torch.arange(ids.shape[0]), ContiguousAttention.for_config(ours.config)
+    )
     expected = hf(ids[None]).logits[0]
     assert (logits - expected).abs().max() < LOGIT_TOLERANCE
     # the argmax may swap only where HF's top two are within 2 x the bound (none here)

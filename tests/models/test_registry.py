@@ -65,6 +65,6 @@ def test_load_model_from_hf_folder(tmp_path: Path) -> None:
     ids = torch.tensor(loaded.tokenizer.encode("hello"))
     assert ids.tolist() == [ord(c) - 33 for c in "hello"]
     with torch.no_grad():
-        logits = loaded.model(ids, torch.arange(5), ContiguousAttention(2))
+        logits = loaded.model(ids, torch.arange(5), ContiguousAttention.for_config(loaded.config))
     assert logits.shape == (5, 96)
     assert loaded.tokenizer.apply_chat_template([], tokenize=False) == "<s>"
