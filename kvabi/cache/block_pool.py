@@ -17,6 +17,10 @@ their data goes down a tier before any caller can overwrite it (no caller can sk
 Given a `BlockEventSink` (`events`), the pool tells it of every change to its index: a block
 registered under its hash (with its parent hash and tokens), a cached block evicted or dropped,
 the index emptied (kvabi/cache/block_events.py; KV events for prefix-aware routers).
+
+Block groups of a hybrid model (kvabi/cache/block_groups.py) share a pool: the index is keyed by
+(group, block hash), since each group caches its own copy of a block's layers. Events report
+`event_group`'s blocks only (a router needs one view of which prefixes are held).
 """
 
 from __future__ import annotations
@@ -40,16 +44,19 @@ class BlockPool:
         num_blocks: int,
         events: BlockEventSink | None = None,
         write_down: WriteDown | None = None,
+        event_group: int = 0,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.events = events  # told of each change to the index
+        self.events = events  # told of each change to `event_group`'s part of the index
+        self.event_group = event_group
         self.write_down = write_down  # given each allocation's evicted blocks, in order
         self.ref_counts = [0] * num_blocks
         self.keys: list[BlockKey | None] = [None] * num_blocks  # set while a block is cached
+        self.groups = [0] * num_blocks  # the group a cached block is indexed for
         self.num_evictions = 0
-        self._by_hash: dict[bytes, int] = {}
+        self._by_hash: dict[tuple[int, bytes], int] = {}
         self._empty: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: OrderedDict[int, None] = OrderedDict()  # free cached blocks, LRU first
 
@@ -119,22 +126,22 @@ class BlockPool:
         """Whether a sequence holding this block may write into it: sole owner, not cached."""
         return self.ref_counts[block_id] == 1 and self.keys[block_id] is None
 
-    def cache_block(self, block_id: int, key: BlockKey) -> bool:
-        """Index a held, full block by its hash; False (not indexed) when another block already
-        holds that hash or this block is already indexed."""
+    def cache_block(self, block_id: int, key: BlockKey, group: int = 0) -> bool:
+        """Index a held, full block of `group` by its hash; False (not indexed) when another
+        block already holds that hash for the group or this block is already indexed."""
         if self.ref_counts[block_id] < 1:
             raise ValueError(f"block {block_id} is free; only held blocks can be cached")
-        if key.block_hash in self._by_hash or self.keys[block_id] is not None:
+        if (group, key.block_hash) in self._by_hash or self.keys[block_id] is not None:
             return False
-        self.keys[block_id] = key
-        self._by_hash[key.block_hash] = block_id
-        if self.events is not None:
+        self.keys[block_id], self.groups[block_id] = key, group
+        self._by_hash[group, key.block_hash] = block_id
+        if self.events is not None and group == self.event_group:
             self.events.stored(key.block_hash, key.parent_hash, key.token_ids)
         return True
 
-    def cached_block(self, block_hash: bytes) -> int | None:
-        """The block holding this hash, if any."""
-        return self._by_hash.get(block_hash)
+    def cached_block(self, block_hash: bytes, group: int = 0) -> int | None:
+        """The block holding this hash for `group`, if any."""
+        return self._by_hash.get((group, block_hash))
 
     def demote(self, block_ids: Iterable[int]) -> None:
         """Move free cached blocks to the front of the eviction order, keeping their given order
@@ -150,10 +157,10 @@ class BlockPool:
         is_all = len(dropped) == len(self._by_hash)  # held cached blocks stay indexed
         for i in dropped:
             block_hash = self.keys[i].block_hash
-            del self._by_hash[block_hash]
+            del self._by_hash[self.groups[i], block_hash]
             self.keys[i] = None
             self._empty[i] = None
-            if self.events is not None and not is_all:
+            if self.events is not None and not is_all and self.groups[i] == self.event_group:
                 self.events.removed(block_hash)
         if self.events is not None and is_all:
             self.events.cleared()
@@ -164,9 +171,9 @@ class BlockPool:
         key = self.keys[block_id]
         if key is None:
             return None
-        del self._by_hash[key.block_hash]
+        del self._by_hash[self.groups[block_id], key.block_hash]
         self.keys[block_id] = None
         self.num_evictions += 1
-        if self.events is not None:
+        if self.events is not None and self.groups[block_id] == self.event_group:
             self.events.removed(key.block_hash)
         return key

@@ -27,6 +27,7 @@ from kvabi.abi.buffers import CacheBuffers, layer_buffer_specs
 from kvabi.abi.descriptor import Descriptor
 from kvabi.cache.block_codec import stack_blocks
 from kvabi.cache.block_events import BlockEventSink
+from kvabi.cache.block_groups import BlockGroup, plan_groups
 from kvabi.cache.block_hasher import BlockHasher, BlockKey
 from kvabi.cache.block_pool import BlockPool
 from kvabi.cache.cache_stats import CacheStats, flat_stats
@@ -37,13 +38,23 @@ from kvabi.cache.tiered_cache import TieredCache
 
 @dataclass(frozen=True)
 class MatchResult:
-    """The cached prefix of a request: its tokens and the pool blocks holding them."""
+    """The cached prefix of a request: its tokens and, per block group, the pool blocks
+    holding them (`NULL_BLOCK` where a sliding group's window no longer needs a block)."""
 
     num_cached_tokens: int
-    block_ids: tuple[int, ...]
+    block_tables: tuple[tuple[int, ...], ...]
+
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        """The first group's blocks (a uniform model's only group)."""
+        return self.block_tables[0] if self.block_tables else ()
+
+    def table(self, group_id: int) -> tuple[int, ...]:
+        return self.block_tables[group_id] if self.block_tables else ()
 
 
 NO_MATCH = MatchResult(0, ())
+NULL_BLOCK = -1  # a sliding group's table entry for a block that left the window
 
 
 @dataclass(frozen=True)
@@ -84,34 +95,75 @@ class KVCache:
     def __init__(
         self,
         desc: Descriptor,
-        num_blocks: int,
+        num_blocks: int | Sequence[int],
         prefix_caching: bool = True,
         tiers: TierConfig = TierConfig(),
         events: BlockEventSink | None = None,
     ) -> None:
-        """`desc`: the storage's layout (a paged preset of the model); `events`: told of every
-        change to the index of cached blocks (KV events for prefix-aware routers). Tiers
-        hold cached blocks, so they need `prefix_caching` (EngineConfig checks)."""
+        """`desc`: the storage's layout (a paged preset of the model); `num_blocks`: per block
+        pool (one number: every pool); `events`: told of every change to the index of cached
+        blocks (KV events for prefix-aware routers). Tiers hold cached blocks, so they need
+        `prefix_caching` (EngineConfig checks).
+
+        A hybrid model (sliding, shared or KV-less layers) gets several block groups over one
+        pool per layer geometry (kvabi/cache/block_groups.py); the block API below (tiers,
+        export, import) serves one-group caches only, for now, and says so."""
         self.desc, self.block_size = desc, desc.layout.block_size
         self.is_prefix_caching = prefix_caching
-        self.storage = KVStorage(desc, num_blocks)
+        self.plan = plan_groups(desc.model)
+        self.groups = self.plan.groups
+        counts = (
+            [num_blocks] * len(self.plan.pool_specs) if isinstance(num_blocks, int) else num_blocks
+        )
+        self.storages = [
+            KVStorage(Descriptor(spec, desc.layout), n)
+            for spec, n in zip(self.plan.pool_specs, counts, strict=True)
+        ]
+        self.storage = self.storages[0]
         self.hasher = BlockHasher(desc.model.compat_digest(), self.block_size)
+        if tiers.is_enabled and not self.plan.is_uniform:
+            raise ValueError(
+                "tiers: a hybrid model's cache (several block groups) cannot use tiers yet"
+            )
         self.tiers = TieredCache.build(tiers, self.storage) if tiers.is_enabled else None
         write_down = self.tiers.write_down if self.tiers is not None else None
-        self.pool = BlockPool(num_blocks, events, write_down)
+        event_group = next((g.group_id for g in self.groups if g.window == 0), 0)
+        event_pool = self.groups[event_group].pool_id
+        self.pools = [
+            BlockPool(n, events if i == event_pool else None, write_down, event_group)
+            for i, n in enumerate(counts)
+        ]
+        self.pool = self.pools[0]
         self.stats = CacheStats()
 
     @property
     def num_blocks(self) -> int:
-        return self.pool.num_blocks
+        return sum(p.num_blocks for p in self.pools)
 
     @property
     def num_free_blocks(self) -> int:
-        return self.pool.num_free
+        return sum(p.num_free for p in self.pools)
 
     @property
     def block_bytes(self) -> int:
-        return self.storage.buffers.num_bytes // self.num_blocks
+        """Bytes of one block of the first pool (every pool's, in a one-pool cache)."""
+        return self.storage.buffers.num_bytes // self.pool.num_blocks
+
+    @property
+    def num_kv_bytes(self) -> int:
+        """Bytes of every pool's KV tensors: what the cache allocated."""
+        return sum(s.buffers.num_bytes for s in self.storages)
+
+    def layer_kv(self, layer_id: int) -> tuple[Tensor, Tensor]:
+        """The K and V views a layer reads and writes ([block, slot, heads, dim] each), in its
+        group's pool; a shared layer gets its target's."""
+        group_id, slot = self.plan.layer_slots[layer_id]
+        storage = self.storages[self.groups[group_id].pool_id]
+        return storage.k[slot], storage.v[slot]
+
+    def _require_one_group(self, what: str) -> None:
+        if len(self.groups) > 1:
+            raise ValueError(f"{what}: a hybrid model's cache (several block groups) cannot yet")
 
     # ---- the index of cached blocks (the scheduler's prefix match) ----
 
@@ -125,21 +177,33 @@ class KVCache:
     def match(self, hashes: Sequence[bytes], num_tokens: int) -> MatchResult:
         """The longest pooled prefix of a sequence of `num_tokens` tokens, capped at
         `num_tokens - 1` tokens (the last token's logits choose the next). A capped last block
-        is still returned: the caller copies it on write and recomputes only the last token."""
-        num_cached = min(self.num_pooled(hashes) * self.block_size, num_tokens - 1)
-        if num_cached <= 0:
-            return NO_MATCH
-        n = -(-num_cached // self.block_size)
-        return MatchResult(num_cached, tuple(self.pool.cached_block(h) for h in hashes[:n]))
+        is still returned: the caller copies it on write and recomputes only the last token.
+
+        Per block group (vLLM's hybrid rule): full-attention groups need every block of the
+        prefix; sliding groups only those the window before the hit point still covers."""
+        if len(self.groups) == 1 and self.groups[0].window == 0:
+            num_cached = min(self.num_pooled(hashes) * self.block_size, num_tokens - 1)
+            if num_cached <= 0:
+                return NO_MATCH
+            n = -(-num_cached // self.block_size)
+            return MatchResult(num_cached, (tuple(self.pool.cached_block(h) for h in hashes[:n]),))
+        return match_groups(self, hashes, num_tokens)
+
+    def cached_in(self, group_id: int, block_hash: bytes) -> int | None:
+        """The block of `group_id`'s pool holding this hash for the group, if any."""
+        return self.pools[self.groups[group_id].pool_id].cached_block(block_hash, group_id)
 
     def cache_blocks(
         self, block_ids: Sequence[int], hashes: Sequence[bytes], token_ids: Sequence[int],
-        start: int, stop: int,
+        start: int, stop: int, group_id: int = 0,
     ) -> None:  # fmt: skip
-        """Index a sequence's blocks `start .. stop-1` (full and computed) under their keys."""
+        """Index a sequence's blocks `start .. stop-1` (full and computed) of one group under
+        their keys (a sliding group's released blocks, `NULL_BLOCK`, are skipped)."""
         keys = self.hasher.keys_of(hashes, token_ids, start, stop)
+        pool = self.pools[self.groups[group_id].pool_id]
         for block_id, key in zip(block_ids[start:stop], keys, strict=True):
-            self.pool.cache_block(block_id, key)
+            if block_id != NULL_BLOCK:
+                pool.cache_block(block_id, key, group_id)
 
     def demote(self, hashes: Sequence[bytes]) -> None:
         """An idle session's blocks (head first): write down the pooled ones some tier lacks
@@ -157,6 +221,7 @@ class KVCache:
     def held(self, keys: Sequence[BlockKey]) -> int:
         """How many leading blocks of `keys` the pool holds, after loading the run that follows
         its pooled prefix from the tiers (verified; loaded blocks are cached, unreferenced)."""
+        self._require_one_group("held")
         n = self.num_pooled([k.block_hash for k in keys])
         if self.tiers is None or n == len(keys):
             return n
@@ -172,6 +237,7 @@ class KVCache:
     ) -> KVPayload:
         """A copy of the prompt's pooled blocks from `start_token` (a block boundary) up to
         the first one the pool lacks, in this cache's layout."""
+        self._require_one_group("export")
         hashes = self.hasher.hashes(token_ids, cache_salt)
         first = start_token // self.block_size
         num_blocks = max(self.num_pooled(hashes) - first, 0)
@@ -183,6 +249,7 @@ class KVCache:
     def export_layer(self, layer_id: int, block_ids: Sequence[int]) -> dict[str, Tensor]:
         """A copy of one layer of these blocks, in this cache's layout: that layer's section
         of a container of them (called mid-forward, once the layer's K/V are stored)."""
+        self._require_one_group("export_layer")
         index = torch.tensor(block_ids, dtype=torch.long)
         tensors = self.storage.buffers.tensors
         return {
@@ -199,6 +266,7 @@ class KVCache:
         them); blocks the pool already holds are not placed twice."""
         if not self.is_prefix_caching:
             raise ValueError("importing blocks needs the prefix cache (enable_prefix_caching)")
+        self._require_one_group("import_blocks")
         bs, hashes = self.block_size, self.hasher.hashes(token_ids, cache_salt)
         held = self.num_pooled(hashes)
         first, last = payload.start_token // bs, min(payload.end_token // bs, len(hashes))
@@ -251,3 +319,34 @@ class KVCache:
             return sum(self.pool.cache_block(b, k) for b, k in zip(targets, keys, strict=True))
         finally:
             self.pool.free(pooled + targets)
+
+
+def match_groups(cache: KVCache, hashes: Sequence[bytes], num_tokens: int) -> MatchResult:
+    """`KVCache.match` for several block groups: the longest run every full-attention group
+    holds, shortened until every sliding group holds the blocks its window needs there."""
+    bs, groups = cache.block_size, cache.groups
+    full = [g.group_id for g in groups if g.window == 0]
+    n = len(hashes)
+    for g in full:
+        n = next((i for i in range(n) if cache.cached_in(g, hashes[i]) is None), n)
+    for h in range(n, 0, -1):
+        num_cached = min(h * bs, num_tokens - 1)
+        if num_cached <= 0:
+            break
+        end = -(-num_cached // bs)
+        tables = [_window_blocks(cache, g, hashes, num_cached, end) for g in groups]
+        if all(t is not None for t in tables):
+            return MatchResult(num_cached, tuple(tables))  # type: ignore[arg-type]
+    return NO_MATCH
+
+
+def _window_blocks(
+    cache: KVCache, group: BlockGroup, hashes: Sequence[bytes], num_cached: int, end: int
+) -> tuple[int, ...] | None:
+    """The group's blocks 0 .. end-1 for a hit of `num_cached` tokens (None: one it needs is
+    missing): the next query, at position num_cached, sees keys from num_cached - window + 1."""
+    first = max(num_cached - group.window + 1, 0) // cache.block_size if group.window else 0
+    found = [cache.cached_in(group.group_id, h) for h in hashes[first:end]]
+    if any(b is None for b in found):
+        return None
+    return (NULL_BLOCK,) * first + tuple(found)  # type: ignore[return-value]

@@ -20,15 +20,16 @@ from dataclasses import dataclass
 
 import torch
 
-from kvabi.abi.buffers import buffer_specs
 from kvabi.abi.descriptor import Descriptor, ModelSpec
 from kvabi.abi.presets import PRESETS, preset_descriptor
 from kvabi.cache.block_events import BlockEventSink
+from kvabi.cache.block_groups import plan_groups
 from kvabi.cache.kv_cache import KVCache
 from kvabi.cache.tier_config import TierConfig
 from kvabi.engine.fused_decode import FusedDecode
+from kvabi.engine.kv_budget import max_seq_tokens, pool_blocks
 from kvabi.engine.outputs import RequestOutput, request_delta
-from kvabi.engine.paged_attention import PagedAttention
+from kvabi.engine.paged_attention import LayerKV, PagedAttention
 from kvabi.engine.runner import ModelRunner
 from kvabi.engine.sampler import sample
 from kvabi.engine.sampling_params import SamplingParams
@@ -84,9 +85,14 @@ class EngineInfo:
     """What the engine found at start-up (never written back into the config)."""
 
     descriptor: Descriptor
-    num_blocks: int
+    pool_blocks: tuple[int, ...]  # per block pool (one, unless layer geometries differ)
     max_model_len: int
     eos_token_ids: tuple[int, ...]
+    max_kv_tokens: int  # the most tokens one sequence's KV can take (every pool to itself)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(self.pool_blocks)
 
 
 def model_spec(loaded: LoadedModel, fingerprint: str) -> ModelSpec:
@@ -106,7 +112,7 @@ class LLMEngine:
         self.info = self._start(loaded, config, fingerprint)
         self.cache = KVCache(
             self.info.descriptor,
-            self.info.num_blocks,
+            self.info.pool_blocks,
             config.enable_prefix_caching,
             config.tiers,
             hooks.block_events,
@@ -115,12 +121,12 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.cache
         )
         self._sessions: dict[str, int] = {}  # live requests per session
-        attention = PagedAttention(self.cache.storage, config.attention_backend)
+        attention = PagedAttention(LayerKV.of(self.cache), config.attention_backend)
         model, kernels = loaded.model, attention.kernels  # prepared at load (LoadedModel)
         fused = None
-        if config.fused_decode:
+        if config.fused_decode and self.cache.plan.is_uniform:
             fused = FusedDecode.build(model, self.cache.storage, kernels)
-        self.runner = ModelRunner(model, attention, fused)
+        self.runner = ModelRunner(model, attention, self.cache.groups, fused)
         self.requests: dict[str, list[Sequence]] = {}
         self.num_computed_tokens = 0  # tokens run through the model, ever: progress
         self._ids = itertools.count()
@@ -134,13 +140,13 @@ class LLMEngine:
             block_size=config.block_size,
             dtype=dtype,
         )
-        per_block = sum(s.num_bytes for s in buffer_specs(desc, 1))  # without allocating
-        num_blocks = config.num_blocks or max(config.kv_cache_bytes // per_block, 1)
+        plan, chunk = plan_groups(desc.model), config.max_num_batched_tokens
         max_len = config.max_model_len or loaded.config.max_position_embeddings
-        window = loaded.config.sliding_window
-        if window is not None:  # paged attention attends to everything: stay inside the window
-            max_len = min(max_len, window)
-        return EngineInfo(desc, num_blocks, max_len, loaded.stop_token_ids)
+        blocks = (config.num_blocks,) * len(plan.pool_specs) if config.num_blocks else None
+        blocks = blocks or pool_blocks(desc, plan, config.kv_cache_bytes, max_len, chunk)
+        limit = sum(blocks) * config.block_size
+        max_kv = max_seq_tokens(plan, blocks, config.block_size, chunk, limit)
+        return EngineInfo(desc, blocks, max_len, loaded.stop_token_ids, max_kv)
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
@@ -173,7 +179,7 @@ class LLMEngine:
                 f"prompt: {len(ids)} tokens; the context window is {limit} "
                 f"(prompt must be at most {limit - 1} tokens)"
             )
-        if -(-(len(ids) + 1) // self.config.block_size) > self.info.num_blocks:
+        if len(ids) + 1 > self.max_kv_tokens:
             raise ValueError(
                 f"prompt: {len(ids)} tokens do not fit the KV cache "
                 f"({self.info.num_blocks} blocks of {self.config.block_size})"
@@ -184,8 +190,8 @@ class LLMEngine:
 
     @property
     def max_kv_tokens(self) -> int:
-        """The most tokens one sequence's KV can take: the whole pool."""
-        return self.info.num_blocks * self.config.block_size
+        """The most tokens one sequence's KV can take: the whole pool (uniform models)."""
+        return self.info.max_kv_tokens
 
     def check_fits(self, num_prompt: int, max_tokens: int) -> None:
         """Refuse what could never finish: the last token's KV is never stored, so a sequence
@@ -223,10 +229,10 @@ class LLMEngine:
         since its last one; a finished request's delta is its last)."""
         self._promote_waiting()
         batch = self.scheduler.schedule()  # evicted blocks were written down as allocated
-        if batch.copies:
-            self.cache.storage.copy_blocks(
-                [c.src for c in batch.copies], [c.dst for c in batch.copies]
-            )
+        for pool_id, storage in enumerate(self.cache.storages):
+            copies = [c for c in batch.copies if c.pool_id == pool_id]
+            if copies:
+                storage.copy_blocks([c.src for c in copies], [c.dst for c in copies])
         if not batch.seqs:
             return []
         self.num_computed_tokens += batch.num_tokens
@@ -258,7 +264,7 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         """Forget the pool's unreferenced cached blocks (lower tiers keep theirs); return how
         many were dropped."""
-        return self.cache.pool.drop_cached()
+        return sum(pool.drop_cached() for pool in self.cache.pools)
 
     def flush_tiers(self) -> None:
         """Wait until every queued write-down has reached the lower tiers."""
@@ -334,8 +340,7 @@ class LLMEngine:
         for index in range(1, parent.params.n):
             child = self._new_seq(parent.request_id, index, parent.prompt_ids, parent.params)
             child.arrival = parent.arrival
-            child.block_ids = list(parent.block_ids)
-            self.cache.pool.share(child.block_ids)
+            self.scheduler.share_blocks(parent, child)
             child.num_computed = parent.num_computed
             child.block_hashes, child.hash_root = list(parent.block_hashes), parent.hash_root
             child.num_cached_blocks, child.is_counted = parent.num_cached_blocks, True

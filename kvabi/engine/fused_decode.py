@@ -63,7 +63,9 @@ class FusedDecode:
         cls, model: LlamaModel, storage: KVStorage, kernels: CpuKernels | None
     ) -> FusedDecode | None:
         """A FusedDecode where everything it needs is there, else None (see the module doc)."""
-        if kernels is None or not kernels.amx or model.dtype != torch.bfloat16:
+        if not isinstance(model, LlamaModel) or kernels is None or not kernels.amx:
+            return None
+        if model.dtype != torch.bfloat16:
             return None
         eps = {n.eps for layer in model.layers
                for n in (layer.input_layernorm, layer.post_attention_layernorm)}  # fmt: skip

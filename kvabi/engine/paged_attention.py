@@ -8,6 +8,11 @@ prefill per sequence) and `native` (as `batched`, but decodes go to a C++ kernel
 place through the block tables, and bf16 prefill chunks on a CPU with AMX to a C++ tile kernel:
 `kvabi/models/cpu_kernels.py`; where they cannot be built, `batched` runs).
 Tests compare them.
+
+A hybrid model's layers belong to block groups (kvabi/cache/block_groups.py): each group has
+its own block tables and so its own `StepContext`; a sliding group's context holds only the
+blocks its window reaches (`SeqSlice.first_key` on) and masks keys the window excludes. Layers
+that share an earlier layer's KV (k = v = None) read that layer's views and store nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvabi.cache.kv_storage import KVStorage
+from kvabi.cache.kv_cache import KVCache
 from kvabi.models.cpu_kernels import CpuKernels, cpu_kernels
 
 BACKENDS = ("native", "batched", "reference")
@@ -30,53 +35,96 @@ class SeqSlice:
     query_start: int  # rows of this sequence in the step's flat tokens
     num_queries: int
     context_len: int  # tokens of K/V after this step (positions 0 .. context_len-1)
-    block_table: torch.Tensor  # [num_blocks] int64
+    block_table: torch.Tensor  # [num_blocks] int64, from block first_key // block_size on
+    first_key: int = 0  # position of the first key it holds (a sliding window's start)
 
 
 @dataclass(frozen=True)
 class StepContext:
+    """One block group's view of a step (a uniform model has one group)."""
+
     slot_blocks: torch.Tensor  # [num_tokens] int64: block of each new token
     slot_offsets: torch.Tensor  # [num_tokens] int64: slot in that block
     seqs: tuple[SeqSlice, ...]
     prefills: tuple[SeqSlice, ...]  # sequences with more than one query this step
     decode_query_rows: torch.Tensor  # [num_decodes] rows of the single-query sequences
     decode_tables: torch.Tensor  # [num_decodes, max_blocks] padded block tables
-    decode_lens: torch.Tensor  # [num_decodes] int64 context length of each decode
+    decode_lens: torch.Tensor  # [num_decodes] int64 keys each decode's table holds
     decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size]: key is valid
+    window: int = 0  # the group's sliding window; 0 = full attention
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """Per model layer: the K and V views it reads and writes ([block, slot, heads, dim], a
+    shared layer's those of its target), its block group and whether it stores (owns KV)."""
+
+    k: tuple[torch.Tensor, ...]
+    v: tuple[torch.Tensor, ...]
+    group_ids: tuple[int, ...]
+    is_owner: tuple[bool, ...]
+    block_size: int
+
+    @classmethod
+    def of(cls, cache: KVCache) -> LayerKV:
+        layers = cache.desc.model.layers
+        views = [cache.layer_kv(i) for i in range(len(layers))]
+        return cls(
+            tuple(k for k, _ in views),
+            tuple(v for _, v in views),
+            tuple(cache.plan.group_of(i) for i in range(len(layers))),
+            tuple(x.has_kv for x in layers),
+            cache.block_size,
+        )
+
+    def write(self, layer_id: int, ctx: StepContext, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new tokens' K/V [T, heads, dim] at their slots."""
+        blocks, slots = ctx.slot_blocks, ctx.slot_offsets
+        self.k[layer_id][blocks, slots] = k.to(self.k[layer_id].dtype)
+        self.v[layer_id][blocks, slots] = v.to(self.v[layer_id].dtype)
+
+    def gather(self, layer_id: int, s: SeqSlice) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sequence's K and V from `first_key` to `context_len`, each [n, heads, dim]."""
+        n = s.context_len - s.first_key
+        k = self.k[layer_id][s.block_table].flatten(0, 1)[:n]
+        v = self.v[layer_id][s.block_table].flatten(0, 1)[:n]
+        return k, v
 
 
 class PagedAttention:
-    def __init__(self, storage: KVStorage, backend: str = "native") -> None:
+    def __init__(self, kv: LayerKV, backend: str = "native") -> None:
         if backend not in BACKENDS:
             raise ValueError(f"attention backend: one of {BACKENDS}, got {backend!r}")
-        self.storage = storage
+        self.kv = kv
         self.kernels: CpuKernels | None = None
         if backend == "native":
             self.kernels = cpu_kernels()
             backend = "native" if self.kernels else "batched"
         self.backend = backend  # the one in use
-        self._ctx: StepContext | None = None
+        self._ctxs: tuple[StepContext, ...] = ()
         self._on_layer: Callable[[int], None] | None = None
 
     @contextmanager
     def step(
-        self, ctx: StepContext, on_layer: Callable[[int], None] | None = None
+        self, ctxs: tuple[StepContext, ...], on_layer: Callable[[int], None] | None = None
     ) -> Iterator[None]:
-        """Inside it the model's attention calls see `ctx`; `on_layer(layer_id)` runs after
-        each layer's new K/V are stored, before that layer attends (the next layer runs after
-        it returns)."""
-        self._ctx, self._on_layer = ctx, on_layer
+        """Inside it the model's attention calls see `ctxs` (one per block group);
+        `on_layer(layer_id)` runs after each layer's new K/V are stored, before that layer
+        attends (the next layer runs after it returns)."""
+        self._ctxs, self._on_layer = ctxs, on_layer
         try:
             yield
         finally:
-            self._ctx = self._on_layer = None
+            self._ctxs, self._on_layer = (), None
 
     def __call__(
-        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
     ) -> torch.Tensor:
-        ctx = self._ctx
-        assert ctx is not None, "attention called outside `with attention.step(ctx)`"
-        self.storage.write(layer_id, ctx.slot_blocks, ctx.slot_offsets, k, v)
+        assert self._ctxs, "attention called outside `with attention.step(ctxs)`"
+        ctx = self._ctxs[self.kv.group_ids[layer_id]]
+        if self.kv.is_owner[layer_id]:
+            assert k is not None and v is not None
+            self.kv.write(layer_id, ctx, k, v)
         if self._on_layer is not None:
             self._on_layer(layer_id)
         if self.backend != "reference" and not ctx.prefills:  # decodes only: rows 0..n-1
@@ -103,13 +151,14 @@ class PagedAttention:
         new_v: torch.Tensor | None = None,
     ) -> None:
         rows = slice(s.query_start, s.query_start + s.num_queries)
-        kernels = self.kernels
+        kernels, window = self.kernels, self._ctxs[self.kv.group_ids[layer_id]].window
         # (AMX, dtype and head size first, so an unsupported chunk is not gathered twice)
         if (
             kernels is not None
             and new_k is not None
+            and window == 0
             and kernels.amx
-            and q.dtype == self.storage.k[layer_id].dtype == torch.bfloat16
+            and q.dtype == self.kv.k[layer_id].dtype == torch.bfloat16
             and q.shape[-1] % 32 == 0
         ):
             # native backend, bf16 with AMX: the C++ kernel, on the new K/V or the gathered
@@ -117,18 +166,18 @@ class PagedAttention:
             if s.context_len == s.num_queries:
                 k, v = new_k[rows], new_v[rows]
             else:
-                k, v = self.storage.gather(layer_id, s.block_table, s.context_len)
+                k, v = self.kv.gather(layer_id, s)
                 k, v = k.contiguous(), v.contiguous()
             if kernels.prefill_supports(q[rows], k, v):
                 out[rows] = kernels.prefill_attention(q[rows], k, v)
                 return
         qs = q[rows].transpose(0, 1)  # [H, Tq, D]
-        if new_k is not None and s.context_len == s.num_queries > 1:
+        if new_k is not None and window == 0 and s.context_len == s.num_queries > 1:
             # a whole prompt in one chunk: its own K/V are the context, plain causal attention
             k, v, mask, causal = new_k[rows], new_v[rows], None, True
         else:
-            k, v = self.storage.gather(layer_id, s.block_table, s.context_len)  # [ctx, H_kv, D]
-            mask, causal = _chunk_mask(s), False
+            k, v = self.kv.gather(layer_id, s)  # [ctx - first_key, H_kv, D]
+            mask, causal = _chunk_mask(s, window), False
         # 4-D inputs: torch's CPU flash kernel takes them; 3-D ones fall back to the math path
         o = F.scaled_dot_product_attention(
             qs[None],
@@ -142,12 +191,16 @@ class PagedAttention:
 
     def _attend_decodes(self, layer_id: int, q: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """q [S, H, D] (one query per sequence) -> [S, H, D], with padded K/V gathers."""
-        k_pool, v_pool = self.storage.k[layer_id], self.storage.v[layer_id]
+        k_pool, v_pool = self.kv.k[layer_id], self.kv.v[layer_id]
         kernels = self.kernels
-        if kernels is not None and kernels.paged_decode_supports(q, k_pool, v_pool):
+        if (
+            kernels is not None
+            and ctx.window == 0
+            and kernels.paged_decode_supports(q, k_pool, v_pool)
+        ):
             return kernels.paged_decode(q, k_pool, v_pool, ctx.decode_tables, ctx.decode_lens)
-        k = self.storage.k[layer_id][ctx.decode_tables].flatten(1, 2)  # [S, L, H_kv, D]
-        v = self.storage.v[layer_id][ctx.decode_tables].flatten(1, 2)
+        k = k_pool[ctx.decode_tables].flatten(1, 2)  # [S, L, H_kv, D]
+        v = v_pool[ctx.decode_tables].flatten(1, 2)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2),
             k.transpose(1, 2).to(q.dtype),
@@ -158,9 +211,12 @@ class PagedAttention:
         return o.squeeze(2)
 
 
-def _chunk_mask(s: SeqSlice) -> torch.Tensor | None:
-    """Causal mask of a chunk whose queries follow `context_len - num_queries` cached tokens."""
-    if s.num_queries == 1:
+def _chunk_mask(s: SeqSlice, window: int) -> torch.Tensor | None:
+    """Causal mask (within `window`, if any) of a chunk whose queries follow
+    `context_len - num_queries` cached tokens; keys from `first_key` on."""
+    if s.num_queries == 1 and window == 0:
         return None  # one query sees the whole context
     q_pos = torch.arange(s.context_len - s.num_queries, s.context_len)[:, None]
-    return torch.arange(s.context_len)[None, :] <= q_pos  # [Tq, ctx]
+    k_pos = torch.arange(s.first_key, s.context_len)[None, :]
+    mask = k_pos <= q_pos  # [Tq, ctx - first_key]
+    return mask & (k_pos > q_pos - window) if window else mask

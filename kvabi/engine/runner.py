@@ -6,20 +6,26 @@ from collections.abc import Callable
 
 import torch
 
+from kvabi.cache.block_groups import BlockGroup
 from kvabi.engine.fused_decode import FusedDecode
 from kvabi.engine.paged_attention import PagedAttention, SeqSlice, StepContext
-from kvabi.engine.scheduler import ScheduledBatch
+from kvabi.engine.scheduler import ScheduledBatch, ScheduledSeq
 from kvabi.models.llama import LlamaModel
 
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaModel, attention: PagedAttention, fused: FusedDecode | None = None
+        self,
+        model: LlamaModel,
+        attention: PagedAttention,
+        groups: tuple[BlockGroup, ...],
+        fused: FusedDecode | None = None,
     ) -> None:
         self.model = model
         self.attention = attention
+        self.groups = groups  # one block table per group per sequence
         self.fused = fused  # decode-only steps without a layer callback, where it applies
-        self.block_size = attention.storage.block_size
+        self.block_size = attention.kv.block_size
 
     @torch.inference_mode()
     def run(
@@ -28,41 +34,57 @@ class ModelRunner:
         """Compute the batch's tokens; return float32 logits [num sampling seqs, vocab], in the
         order of the batch's sequences that sample this step. `on_layer(layer_id)` runs once
         each layer's K/V of the step are stored (`PagedAttention.step`)."""
-        ids, positions, ctx, sample_rows = self._prepare(batch)
-        if self.fused is not None and on_layer is None and not ctx.prefills:
-            hidden = self.fused.hidden_states(ids, positions, ctx)
+        ids, positions, ctxs, sample_rows = self._prepare(batch)
+        if self.fused is not None and on_layer is None and not ctxs[0].prefills:
+            hidden = self.fused.hidden_states(ids, positions, ctxs[0])
             return self.model.compute_logits(hidden[sample_rows]).float()
-        with self.attention.step(ctx, on_layer):
+        with self.attention.step(ctxs, on_layer):
             hidden = self.model.hidden_states(ids, positions, self.attention)
         return self.model.compute_logits(hidden[sample_rows]).float()
 
     def _prepare(
         self, batch: ScheduledBatch
-    ) -> tuple[torch.Tensor, torch.Tensor, StepContext, torch.Tensor]:
-        ids, positions, slot_blocks, slices, sample_rows = [], [], [], [], []
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[StepContext, ...], torch.Tensor]:
+        ids, positions, sample_rows = [], [], []
         start = 0
         for s in batch.seqs:
             ids += s.seq.token_slice(s.start, s.start + s.num_tokens)
-            pos = torch.arange(s.start, s.start + s.num_tokens)
-            table = torch.tensor(s.seq.block_ids, dtype=torch.long)
-            positions.append(pos)
-            slot_blocks.append(table[pos // self.block_size])
-            slices.append(SeqSlice(start, s.num_tokens, s.start + s.num_tokens, table))
+            positions.append(torch.arange(s.start, s.start + s.num_tokens))
             start += s.num_tokens
             if s.samples:
                 sample_rows.append(start - 1)
         pos = torch.cat(positions)
-        ctx = StepContext(
-            torch.cat(slot_blocks),
-            pos % self.block_size,
-            tuple(slices),
-            *_decode_tables(slices, self.block_size),
-        )
+        ctxs = tuple(self._group_context(batch.seqs, positions, pos, g) for g in self.groups)
         rows = torch.tensor(sample_rows, dtype=torch.long)  # may be empty: a prefill-only step
-        return torch.tensor(ids, dtype=torch.long), pos, ctx, rows
+        return torch.tensor(ids, dtype=torch.long), pos, ctxs, rows
+
+    def _group_context(
+        self,
+        seqs: tuple[ScheduledSeq, ...],
+        positions: list[torch.Tensor],
+        pos: torch.Tensor,
+        g: BlockGroup,
+    ) -> StepContext:
+        """One group's step context: its tables from the block the window starts at (the
+        whole table for full attention; released entries read block 0, masked out)."""
+        bs, slot_blocks, slices, start = self.block_size, [], [], 0
+        for s, p in zip(seqs, positions, strict=True):
+            first = max(s.start - g.window + 1, 0) // bs if g.window else 0
+            table = torch.tensor(s.seq.block_tables[g.group_id][first:], dtype=torch.long)
+            slot_blocks.append(table[p // bs - first])
+            end = s.start + s.num_tokens
+            slices.append(SeqSlice(start, s.num_tokens, end, table.clamp(min=0), first * bs))
+            start += s.num_tokens
+        return StepContext(
+            torch.cat(slot_blocks),
+            pos % bs,
+            tuple(slices),
+            *_decode_tables(slices, bs, g.window),
+            window=g.window,
+        )
 
 
-def _decode_tables(slices: list[SeqSlice], block_size: int) -> tuple:
+def _decode_tables(slices: list[SeqSlice], block_size: int, window: int) -> tuple:
     """Step-wide decode metadata, built once instead of once per layer: the prefilling slices,
     the decode query rows, padded block tables, context lengths and the key-validity mask."""
     prefills = tuple(s for s in slices if s.num_queries > 1)
@@ -75,7 +97,10 @@ def _decode_tables(slices: list[SeqSlice], block_size: int) -> tuple:
     tables = torch.zeros(len(decodes), width, dtype=torch.long)  # padding reads block 0, masked
     for r, s in enumerate(decodes):
         tables[r, : len(s.block_table)] = s.block_table
-    lens = torch.tensor([s.context_len for s in decodes])
-    valid = torch.arange(width * block_size)[None, :] < lens[:, None]  # [S, L]
+    lens = torch.tensor([s.context_len - s.first_key for s in decodes])  # keys each table holds
+    keys = torch.arange(width * block_size)[None, :]
+    valid = keys < lens[:, None]  # [S, L]
+    if window:
+        valid &= keys >= lens[:, None] - window
     rows = torch.tensor([s.query_start for s in decodes])
     return prefills, rows, tables, lens, valid[:, None, None, :]

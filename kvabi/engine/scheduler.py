@@ -12,6 +12,11 @@ a step fills are indexed (`cache_computed`) so later requests find them. A seque
 write into a block it does not own alone (shared with a fork, or cached: a full-prompt hit
 recomputes its last token) first gets a private copy: the batch lists these copies
 (`BlockCopy`) and the engine makes them before the forward.
+
+A hybrid model's sequences have one block table per block group (kvabi/cache/block_groups.py);
+every step allocates, copies and frees per group, and counts free blocks per pool. A sliding
+group releases the blocks its window no longer reaches before each step (their table entries
+become `NULL_BLOCK`; cached ones stay in the prefix cache until evicted).
 Pure Python over ids; the one object handed to the runner is `ScheduledBatch`.
 """
 
@@ -20,8 +25,9 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+from kvabi.cache.block_groups import BlockGroup
 from kvabi.cache.block_hasher import BlockKey
-from kvabi.cache.kv_cache import NO_MATCH, KVCache, MatchResult
+from kvabi.cache.kv_cache import NO_MATCH, NULL_BLOCK, KVCache, MatchResult
 from kvabi.engine.sequence import SeqStatus, Sequence
 
 
@@ -53,10 +59,12 @@ class ScheduledSeq:
 
 @dataclass(frozen=True)
 class BlockCopy:
-    """Copy block `src` into block `dst` before the step's forward (copy on write)."""
+    """Copy block `src` into block `dst` of pool `pool_id` before the step's forward (copy
+    on write)."""
 
     src: int
     dst: int
+    pool_id: int = 0
 
 
 @dataclass(frozen=True)
@@ -73,7 +81,8 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: KVCache) -> None:
         self.config = config
-        self.cache, self.pool, self.stats = cache, cache.pool, cache.stats
+        self.cache, self.pools, self.stats = cache, cache.pools, cache.stats
+        self.groups: tuple[BlockGroup, ...] = cache.groups
         self.block_size = cache.block_size
         self.waiting: list[Sequence] = []  # sorted by arrival
         self.running: list[Sequence] = []  # sorted by arrival
@@ -126,16 +135,22 @@ class Scheduler:
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
-        self.pool.free(seq.block_ids)
-        seq.block_ids = []
+        self._free_tables(seq)
+
+    def share_blocks(self, parent: Sequence, child: Sequence) -> None:
+        """Give `child` (a fork) the parent's block tables, one more reference per block."""
+        child.block_tables = [list(t) for t in parent.block_tables]
+        for g, table in zip(self.groups, child.block_tables, strict=True):
+            self.pools[g.pool_id].share(b for b in table if b != NULL_BLOCK)
 
     def cache_computed(self, seq: Sequence) -> None:
         """Index the sequence's blocks that are now full and computed (after a step)."""
         full = min(seq.num_computed // self.block_size, len(seq.block_ids))
         if not self.cache.is_prefix_caching or full <= seq.num_cached_blocks:
             return
-        hashes = self.block_hashes(seq)
-        self.cache.cache_blocks(seq.block_ids, hashes, seq.token_ids(), seq.num_cached_blocks, full)
+        hashes, tokens, start = self.block_hashes(seq), seq.token_ids(), seq.num_cached_blocks
+        for g, table in zip(self.groups, seq.block_tables, strict=True):
+            self.cache.cache_blocks(table, hashes, tokens, start, full, g.group_id)
         seq.num_cached_blocks = full
 
     def block_hashes(self, seq: Sequence) -> list[bytes]:
@@ -160,12 +175,17 @@ class Scheduler:
 
     def _can_admit(self, hit: MatchResult, n: int) -> bool:
         copy = 1 if hit.num_cached_tokens % self.block_size else 0  # a partly reused block
-        new = -(-(hit.num_cached_tokens + n) // self.block_size) - len(hit.block_ids) + copy
-        return new + self.pool.num_free_of(hit.block_ids) <= self.pool.num_free
+        total = -(-(hit.num_cached_tokens + n) // self.block_size)
+        need = [0] * len(self.pools)
+        for g in self.groups:
+            table, pool = hit.table(g.group_id), self.pools[g.pool_id]
+            need[g.pool_id] += total - len(table) + copy + pool.num_free_of(_held(table))
+        return all(k <= pool.num_free for k, pool in zip(need, self.pools, strict=True))
 
     def _admit(self, seq: Sequence, hit: MatchResult) -> None:
-        self.pool.touch(hit.block_ids)
-        seq.block_ids = list(hit.block_ids)
+        for g in self.groups:
+            self.pools[g.pool_id].touch(_held(hit.table(g.group_id)))
+        seq.block_tables = [list(hit.table(g.group_id)) for g in self.groups]
         seq.num_computed = hit.num_cached_tokens
         seq.num_cached_blocks = len(hit.block_ids)
         if not seq.is_counted:
@@ -173,7 +193,8 @@ class Scheduler:
             seq.is_counted = True
 
     def _reserve(self, seq: Sequence, n: int, preempted: list[Sequence]) -> bool:
-        while not self.pool.can_allocate(self._blocks_needed(seq, n)):
+        self._release_window(seq)
+        while not self._can_allocate(seq, n):
             victim = self.running[-1]
             self._preempt(victim)
             preempted.append(victim)
@@ -182,35 +203,77 @@ class Scheduler:
         self._allocate(seq, n)
         return True
 
+    def _can_allocate(self, seq: Sequence, n: int) -> bool:
+        need = [0] * len(self.pools)
+        for g in self.groups:
+            need[g.pool_id] += self._blocks_needed(seq, n, g)
+        return all(pool.can_allocate(k) for k, pool in zip(need, self.pools, strict=True))
+
+    def _release_window(self, seq: Sequence) -> None:
+        """Free the blocks each sliding group's window no longer reaches: the step's first
+        query, at `num_computed`, sees keys from num_computed - window + 1 on. Released
+        blocks are a prefix of the table, so the scan stops at the first released one."""
+        for g, table in zip(self.groups, seq.block_tables, strict=True):
+            if g.window == 0:
+                continue
+            first = max(seq.num_computed - g.window + 1, 0) // self.block_size
+            i = min(first, len(table)) - 1
+            released = []
+            while i >= 0 and table[i] != NULL_BLOCK:
+                released.append(table[i])
+                table[i], i = NULL_BLOCK, i - 1
+            self.pools[g.pool_id].free(released)  # the head last: the tail is evicted first
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.pool.free(seq.block_ids)
-        seq.block_ids, seq.num_computed, seq.num_cached_blocks = [], 0, 0
+        self._free_tables(seq)
+        seq.num_computed, seq.num_cached_blocks = 0, 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)
 
-    def _blocks_needed(self, seq: Sequence, n: int) -> int:
-        total = -(-(seq.num_computed + n) // self.block_size)
-        return total - len(seq.block_ids) + self._needs_copy(seq)
+    def _free_tables(self, seq: Sequence) -> None:
+        for g, table in zip(self.groups, seq.block_tables, strict=False):  # none: waiting
+            self.pools[g.pool_id].free(_held(table))
+        seq.block_tables = []
 
-    def _needs_copy(self, seq: Sequence) -> bool:
+    def _blocks_needed(self, seq: Sequence, n: int, g: BlockGroup) -> int:
+        total = -(-(seq.num_computed + n) // self.block_size)
+        return total - len(self._table(seq, g)) + self._needs_copy(seq, g)
+
+    def _table(self, seq: Sequence, g: BlockGroup) -> list[int]:
+        if not seq.block_tables:
+            seq.block_tables = [[] for _ in self.groups]
+        return seq.block_tables[g.group_id]
+
+    def _needs_copy(self, seq: Sequence, g: BlockGroup) -> bool:
         """Whether the next token's block is one the sequence may not write (shared, cached)."""
-        i = seq.num_computed // self.block_size
-        return i < len(seq.block_ids) and not self.pool.is_writable(seq.block_ids[i])
+        i, table = seq.num_computed // self.block_size, self._table(seq, g)
+        return i < len(table) and not self.pools[g.pool_id].is_writable(table[i])
 
     def _allocate(self, seq: Sequence, n: int) -> None:
-        if self._needs_copy(seq):
-            self._copy_on_write(seq)
-        seq.block_ids += self.pool.allocate(max(self._blocks_needed(seq, n), 0))
+        for g in self.groups:
+            if self._needs_copy(seq, g):
+                self._copy_on_write(seq, g)
+            needed = max(self._blocks_needed(seq, n, g), 0)
+            self._table(seq, g).extend(self.pools[g.pool_id].allocate(needed))
 
-    def _copy_on_write(self, seq: Sequence) -> None:
+    def _copy_on_write(self, seq: Sequence, g: BlockGroup) -> None:
         """Swap the block about to be written for a private copy. The source is released at
         once: even if reused this step, the engine copies before anything writes."""
-        i = seq.num_computed // self.block_size
-        src = seq.block_ids[i]
-        (dst,) = self.pool.allocate(1)
-        self._copies.append(BlockCopy(src, dst))
-        seq.block_ids[i] = dst
-        self.pool.free([src])
+        i, table, pool = (
+            seq.num_computed // self.block_size,
+            self._table(seq, g),
+            self.pools[g.pool_id],
+        )
+        src = table[i]
+        (dst,) = pool.allocate(1)
+        self._copies.append(BlockCopy(src, dst, g.pool_id))
+        table[i] = dst
+        pool.free([src])
         self.stats.num_cow_copies += 1
+
+
+def _held(table: list[int] | tuple[int, ...]) -> list[int]:
+    """A table's blocks, without the entries a sliding window released."""
+    return [b for b in table if b != NULL_BLOCK]

@@ -35,7 +35,7 @@ class Sequence:
     generator: torch.Generator | None = None
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)  # per block group
     num_computed: int = 0  # tokens whose K/V are in the cache
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
@@ -56,6 +56,11 @@ class Sequence:
     num_cached_blocks: int = 0
     is_counted: bool = False
     is_promoted: bool = False
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The first block group's table (a uniform model's only one)."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def num_tokens(self) -> int:

@@ -53,9 +53,9 @@ def test_an_empty_salt_is_refused_not_read_as_no_salt():
 def test_match_returns_the_longest_pooled_run_with_exact_block_ids():
     prefix, root = cache_with_chain(TOKENS)
     longer = TOKENS + [7, 7, 7]
-    assert prefix.match(hashes_of(prefix, root, longer), len(longer)) == MatchResult(8, (0, 1))
+    assert prefix.match(hashes_of(prefix, root, longer), len(longer)) == MatchResult(8, ((0, 1),))
     diverged = TOKENS[:4] + [0] + TOKENS[5:]  # second block differs: the run stops there
-    assert prefix.match(hashes_of(prefix, root, diverged), 10) == MatchResult(4, (0,))
+    assert prefix.match(hashes_of(prefix, root, diverged), 10) == MatchResult(4, ((0,),))
     other = [1] + TOKENS[1:]  # the first block differs: every later hash differs too
     assert prefix.match(hashes_of(prefix, root, other), 10) == NO_MATCH
 
@@ -63,9 +63,9 @@ def test_match_returns_the_longest_pooled_run_with_exact_block_ids():
 def test_a_fully_cached_prompt_leaves_its_last_token_to_compute():
     prefix, root = cache_with_chain(TOKENS)
     exact = TOKENS[:8]  # both full blocks cached: recompute token 7 in a copy of block 1
-    assert prefix.match(hashes_of(prefix, root, exact), 8) == MatchResult(7, (0, 1))
+    assert prefix.match(hashes_of(prefix, root, exact), 8) == MatchResult(7, ((0, 1),))
     one = TOKENS[:4]
-    assert prefix.match(hashes_of(prefix, root, one), 4) == MatchResult(3, (0,))
+    assert prefix.match(hashes_of(prefix, root, one), 4) == MatchResult(3, ((0,),))
 
 
 def test_a_cache_salt_changes_every_hash_so_tenants_never_share():
@@ -74,7 +74,7 @@ def test_a_cache_salt_changes_every_hash_so_tenants_never_share():
     other = hashes_of(prefix, prefix.hasher.root("tenant-b"), TOKENS)
     same = hashes_of(prefix, prefix.hasher.root("tenant-a"), TOKENS)
     assert prefix.match(plain, 10) == NO_MATCH and prefix.match(other, 10) == NO_MATCH
-    assert prefix.match(same, 10) == MatchResult(8, (0, 1))
+    assert prefix.match(same, 10) == MatchResult(8, ((0, 1),))
     assert not set(plain) & set(same)
 
 

@@ -172,18 +172,16 @@ def test_abort_frees_blocks():
     )
 
 
-def test_a_sliding_window_caps_the_context_so_attention_stays_exact(reference):
+def test_a_sliding_window_model_attends_within_its_window_past_it():
     loaded = tiny_loaded()
     windowed = dataclasses.replace(
         loaded, config=dataclasses.replace(loaded.config, sliding_window=8)
     )
     engine = LLMEngine(windowed, EngineConfig(block_size=4), fingerprint="tiny")
-    assert engine.info.max_model_len == 8
-    with pytest.raises(ValueError, match="^prompt: 9 tokens; the context window is 8"):
-        engine.add_request(list(range(9)), GREEDY)
-    out = run_all(engine, [PROMPTS[0]], GREEDY)[0].outputs[0]
-    assert out.finish_reason == "length" and len(PROMPTS[0]) + len(out.token_ids) == 8
-    assert out.token_ids == reference[0][: len(out.token_ids)]
+    assert engine.info.max_model_len == 512  # no longer capped at the window
+    prompt = list(range(40, 60))  # 20 tokens: past the 8-token window
+    out = run_all(engine, [prompt], GREEDY)[0].outputs[0]
+    assert tuple(out.token_ids) == greedy_reference(prompt, GREEDY.max_tokens, loaded=windowed)
 
 
 def test_engines_sharing_a_loaded_model_cannot_change_each_others_paths():

@@ -60,13 +60,16 @@ def tiny_engine(seed: int = 0, **config) -> LLMEngine:
 
 
 @torch.no_grad()
-def greedy_reference(prompt, max_tokens: int, seed: int = 0) -> tuple[int, ...]:
+def greedy_reference(
+    prompt, max_tokens: int, seed: int = 0, loaded: LoadedModel | None = None
+) -> tuple[int, ...]:
     """Greedy tokens independent of paging: one sequence, contiguous K/V, one token per forward.
 
     Fails at a step whose top-2 logit margin is under MIN_MARGIN: another run's GEMMs could
     round that step either way, so no test may compare its tokens exactly."""
-    model = tiny_loaded(seed).model
-    attn = ContiguousAttention.for_config(model.config)
+    loaded = loaded or tiny_loaded(seed)
+    model = loaded.model
+    attn = ContiguousAttention.for_config(loaded.config)  # the config's layer windows
     ids = list(prompt)
     logits = model(torch.tensor(ids), torch.arange(len(ids)), attn)[-1]  # [vocab]
     out: list[int] = []
