@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvabi.abi.descriptor import ATTN, SHARED, LayerSpec
-from kvabi.models import ContiguousAttention, load_hf
+from kvabi.models import ContiguousAttention, Gemma4Model, load_hf, load_model
 from kvabi.models.gemma4_config import read_gemma4_config
 from tests.models.hf_reference import (
     FP32_LOGIT_TOL,
@@ -19,6 +19,7 @@ from tests.models.hf_reference import (
     randomize,
     save_and_load,
 )
+from tests.models.test_registry import _write_tokenizer as write_tokenizer
 from tests.models.tiny import hf_logits, our_logits, our_logits_incremental, random_ids
 
 transformers = pytest.importorskip("transformers")
@@ -198,3 +199,16 @@ def test_bad_configs_raise(change: dict[str, Any], message: str) -> None:
     raw = transformers.Gemma4TextConfig(**COMMON, **CONFIGS["shared-kv"]).to_dict()
     with pytest.raises(ValueError, match=message):
         read_gemma4_config({**raw, **change})
+
+
+def test_load_model_prepares_it_unchanged(tmp_path: Path) -> None:
+    """`load_model` (fuse_projections + use_kernels, no-ops here) serves the same logits."""
+    hf = make_hf("shared-kv")
+    hf.save_pretrained(tmp_path)
+    write_tokenizer(tmp_path)
+    loaded = load_model(tmp_path, progress=False)
+    assert isinstance(loaded.model, Gemma4Model) and loaded.stop_token_ids == (1, 95)
+    ids = random_ids(12)
+    torch.testing.assert_close(
+        our_logits(loaded.model, ids), hf_logits(hf, ids), atol=FP32_LOGIT_TOL, rtol=0
+    )
