@@ -1,4 +1,5 @@
-"""Llama-family models (Llama 2/3, SmolLM2, Mistral, Qwen2): config, weights, tokenizer.
+"""Llama-family models (Llama 2/3, SmolLM2, Mistral, Qwen2), Gemma 4 text and Laguna: config,
+weights, tokenizer.
 
 `load_model(name_or_path)` gives a `LoadedModel(config, model, tokenizer)`; the model's forward
 takes flat token ids and positions and delegates attention per layer to an `AttentionFn`.
@@ -7,8 +8,12 @@ takes flat token ids and positions and delegates attention per layer to an `Atte
 from kvabi.models.attention import AttentionFn, ContiguousAttention
 from kvabi.models.checkpoint import Checkpoint
 from kvabi.models.config import ModelConfig, RopeScaling
+from kvabi.models.gemma4 import Gemma4Model
+from kvabi.models.gemma4_config import Gemma4Config
 from kvabi.models.gguf_loader import load_gguf
 from kvabi.models.hf_loader import load_hf
+from kvabi.models.laguna import LagunaModel
+from kvabi.models.laguna_config import LagunaConfig
 from kvabi.models.llama import LlamaModel
 from kvabi.models.registry import (
     DEFAULT_MODEL,
@@ -24,6 +29,10 @@ __all__ = [
     "AttentionFn",
     "Checkpoint",
     "ContiguousAttention",
+    "Gemma4Config",
+    "Gemma4Model",
+    "LagunaConfig",
+    "LagunaModel",
     "LlamaModel",
     "LoadedModel",
     "ModelConfig",

@@ -7,7 +7,19 @@ from dataclasses import dataclass
 import torch
 
 from kvabi.models.config import ModelConfig
+from kvabi.models.gemma4 import Gemma4Model
+from kvabi.models.gemma4_config import Gemma4Config
+from kvabi.models.laguna import LagunaModel
+from kvabi.models.laguna_config import LagunaConfig
 from kvabi.models.llama import LlamaModel
+
+AnyConfig = ModelConfig | Gemma4Config | LagunaConfig
+AnyModel = LlamaModel | Gemma4Model | LagunaModel
+# architecture -> model class; every other architecture is a LlamaModel
+MODEL_CLASSES: dict[str, type[Gemma4Model] | type[LagunaModel]] = {
+    "gemma4": Gemma4Model,
+    "laguna": LagunaModel,
+}
 
 WEIGHT_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -29,10 +41,11 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """Weights keyed by `LlamaModel` parameter names (HF names without `model.`)."""
+    """Weights keyed by the model's parameter names (HF names without `model.`)."""
 
-    config: ModelConfig
+    config: AnyConfig
     state_dict: dict[str, torch.Tensor]
 
-    def build(self) -> LlamaModel:
-        return LlamaModel.from_state_dict(self.config, self.state_dict)
+    def build(self) -> AnyModel:
+        model_class = MODEL_CLASSES.get(self.config.architecture, LlamaModel)
+        return model_class.from_state_dict(self.config, self.state_dict)  # type: ignore[arg-type]

@@ -15,10 +15,19 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from kvabi.models.checkpoint import Checkpoint, parse_dtype
+from kvabi.models.checkpoint import AnyConfig, Checkpoint, parse_dtype
 from kvabi.models.config import ModelConfig, RopeScaling
+from kvabi.models.expert_weights import merge_expert_weights
+from kvabi.models.gemma4_config import Gemma4Config, gemma4_weight_name, read_gemma4_config
+from kvabi.models.laguna_config import LagunaConfig, laguna_weight_name, read_laguna_config
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# model_type -> its own config reader; the rest are the Llama family, read here
+OWN_READERS = {
+    "gemma4": read_gemma4_config,
+    "gemma4_text": read_gemma4_config,
+    "laguna": read_laguna_config,
+}
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", *OWN_READERS)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -69,9 +78,12 @@ def _sliding_window(raw: Mapping[str, Any], model_type: str) -> int | None:
     return raw.get("sliding_window") if model_type == "mistral" else None
 
 
-def read_hf_config(raw: Mapping[str, Any], extra_eos: tuple[int, ...] = ()) -> ModelConfig:
-    """config.json contents -> ModelConfig; `extra_eos` comes from generation_config.json."""
+def read_hf_config(raw: Mapping[str, Any], extra_eos: tuple[int, ...] = ()) -> AnyConfig:
+    """config.json contents -> ModelConfig (or the architecture's own config); `extra_eos`
+    comes from generation_config.json."""
     model_type = raw.get("model_type")
+    if model_type in OWN_READERS:
+        return OWN_READERS[model_type](raw, extra_eos)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}"
@@ -102,7 +114,7 @@ def read_hf_config(raw: Mapping[str, Any], extra_eos: tuple[int, ...] = ()) -> M
     )
 
 
-def load_hf_config(folder: str | Path) -> ModelConfig:
+def load_hf_config(folder: str | Path) -> AnyConfig:
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"HF checkpoint folder not found: {folder}")
@@ -111,16 +123,20 @@ def load_hf_config(folder: str | Path) -> ModelConfig:
     return read_hf_config(_read_json(folder / "config.json"), extra)
 
 
-def _our_name(hf_name: str) -> str | None:
+def _our_name(hf_name: str, config: AnyConfig) -> str | None:
     if hf_name.endswith("rotary_emb.inv_freq"):
         return None
+    if isinstance(config, Gemma4Config):
+        return gemma4_weight_name(config, hf_name)
+    if isinstance(config, LagunaConfig):
+        return laguna_weight_name(hf_name)
     return hf_name.removeprefix("model.")
 
 
 def load_hf(
     folder: str | Path, dtype: str | torch.dtype = "fp32", progress: bool = True
 ) -> Checkpoint:
-    """Read an HF Llama/Mistral/Qwen2 folder into a `Checkpoint` in fp32 or bf16."""
+    """Read an HF Llama/Mistral/Qwen2/Gemma 4/Laguna folder into a `Checkpoint` (fp32/bf16)."""
     from safetensors import safe_open
 
     config = load_hf_config(folder)
@@ -133,11 +149,13 @@ def load_hf(
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 -- safe_open is not a Mapping
-                name = _our_name(key)
+                name = _our_name(key, config)
                 if name is not None:
                     state_dict[name] = f.get_tensor(key).to(torch_dtype)
                 bar.update()
     bar.close()
+    if isinstance(config, LagunaConfig):
+        state_dict = merge_expert_weights(state_dict)
     if config.tie_word_embeddings:
         state_dict.pop("lm_head.weight", None)
     return Checkpoint(config, state_dict)

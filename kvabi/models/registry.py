@@ -12,12 +12,10 @@ from pathlib import Path
 
 import torch
 
-from kvabi.models.checkpoint import Checkpoint
-from kvabi.models.config import ModelConfig
+from kvabi.models.checkpoint import AnyConfig, AnyModel, Checkpoint
 from kvabi.models.cpu_kernels import cpu_kernels
 from kvabi.models.gguf_loader import load_gguf, open_gguf
 from kvabi.models.hf_loader import load_hf
-from kvabi.models.llama import LlamaModel
 from kvabi.models.tokenizer import Tokenizer
 
 # name -> (package, file inside it)
@@ -76,8 +74,8 @@ class LoadedModel:
     """A model ready to serve: built, it is prepared once (packed, fused projections, kvabi's
     CPU kernels where they build), so engines sharing it cannot change each other's paths."""
 
-    config: ModelConfig
-    model: LlamaModel
+    config: AnyConfig
+    model: AnyModel
     tokenizer: Tokenizer
 
     def __post_init__(self) -> None:

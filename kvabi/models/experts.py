@@ -1,0 +1,42 @@
+"""A bank of gated MLP experts kept as 3D tensors, as HF keeps them (Gemma 4, Laguna).
+
+`gate_up_proj` [num_experts, 2 * inner, hidden] and `down_proj` [num_experts, hidden, inner];
+expert e computes down(act(gate) * up). Plain torch, one loop over the experts in use, in HF's
+order (ascending expert, then routing slot, then token), so sums agree with HF's to the bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Experts(nn.Module):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        inner_size: int,
+        act: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inner_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, inner_size))
+        self.act = act
+
+    def forward(
+        self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """x [T, hidden]; top_k_index, top_k_weights [T, k] -> sum over the k routed experts of
+        weight * expert(x), [T, hidden]."""
+        out = torch.zeros_like(x)
+        for expert_id in torch.unique(top_k_index).tolist():  # ascending
+            slots, token_ids = torch.where(top_k_index.T.eq(expert_id))  # [slot, token] order
+            gate, up = F.linear(x[token_ids], self.gate_up_proj[expert_id]).chunk(2, dim=-1)
+            h = F.linear(self.act(gate) * up, self.down_proj[expert_id])  # [n, hidden]
+            h = h * top_k_weights[token_ids, slots, None]
+            out.index_add_(0, token_ids, h.to(out.dtype))
+        return out
