@@ -66,7 +66,9 @@ def plan_groups(model: ModelSpec) -> GroupPlan:
             for start in range(0, len(g.layer_ids), num_slots):
                 layer_ids = g.layer_ids[start : start + num_slots]
                 groups.append(BlockGroup(len(groups), layer_ids, g.window, pool_id))
-        is_whole = len(abi_groups) == 1 and len(groups) == 1
+        # Every layer in one group: the storage is the model's own descriptor (its slots are
+        # its layers). With a shared or KV-less layer among them, the slots are the owners.
+        is_whole = len(abi_groups) == 1 and all(x.has_kv for x in model.layers)
         slots = model if is_whole else ModelSpec((geometry,) * num_slots, model.fingerprint)
         pool_specs.append(slots)
     slot_of = {i: (g.group_id, j) for g in groups for j, i in enumerate(g.layer_ids)}
