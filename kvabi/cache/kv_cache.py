@@ -57,6 +57,11 @@ NO_MATCH = MatchResult(0, ())
 NULL_BLOCK = -1  # a sliding group's table entry for a block that left the window
 
 
+def held_blocks(table: Sequence[int]) -> list[int]:
+    """A block table's blocks, without the entries a sliding window released."""
+    return [b for b in table if b != NULL_BLOCK]
+
+
 @dataclass(frozen=True)
 class FetchRequest:
     """KV wanted for `token_ids` (a whole prompt) from token `start_token` on; the blocks
@@ -149,17 +154,11 @@ class KVCache:
         """Bytes of one block of the first pool (every pool's, in a one-pool cache)."""
         return self.storage.buffers.num_bytes // self.pool.num_blocks
 
-    @property
-    def num_kv_bytes(self) -> int:
-        """Bytes of every pool's KV tensors: what the cache allocated."""
-        return sum(s.buffers.num_bytes for s in self.storages)
-
-    def layer_kv(self, layer_id: int) -> tuple[Tensor, Tensor]:
-        """The K and V views a layer reads and writes ([block, slot, heads, dim] each), in its
-        group's pool; a shared layer gets its target's."""
+    def layer_storage(self, layer_id: int) -> tuple[KVStorage, int]:
+        """The storage a layer's K/V live in (its group's pool) and its slot there; a shared
+        layer gets its target's."""
         group_id, slot = self.plan.layer_slots[layer_id]
-        storage = self.storages[self.groups[group_id].pool_id]
-        return storage.k[slot], storage.v[slot]
+        return self.storages[self.groups[group_id].pool_id], slot
 
     def _require_one_group(self, what: str) -> None:
         if len(self.groups) > 1:
@@ -202,7 +201,7 @@ class KVCache:
         keys = self.hasher.keys_of(hashes, token_ids, start, stop)
         pool = self.pools[self.groups[group_id].pool_id]
         for block_id, key in zip(block_ids[start:stop], keys, strict=True):
-            if block_id != NULL_BLOCK:
+            if block_id != NULL_BLOCK:  # released by a sliding window
                 pool.cache_block(block_id, key, group_id)
 
     def demote(self, hashes: Sequence[bytes]) -> None:

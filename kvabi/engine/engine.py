@@ -190,7 +190,8 @@ class LLMEngine:
 
     @property
     def max_kv_tokens(self) -> int:
-        """The most tokens one sequence's KV can take: the whole pool (uniform models)."""
+        """The most tokens one sequence's KV can take, with every pool to itself (a sliding
+        group holds only its window and a step's chunk: `kv_budget.max_seq_tokens`)."""
         return self.info.max_kv_tokens
 
     def check_fits(self, num_prompt: int, max_tokens: int) -> None:

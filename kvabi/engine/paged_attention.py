@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from kvabi.cache.kv_cache import KVCache
+from kvabi.cache.kv_storage import KVStorage
+from kvabi.models.attention import causal_mask
 from kvabi.models.cpu_kernels import CpuKernels, cpu_kernels
 
 BACKENDS = ("native", "batched", "reference")
@@ -56,11 +58,11 @@ class StepContext:
 
 @dataclass(frozen=True)
 class LayerKV:
-    """Per model layer: the K and V views it reads and writes ([block, slot, heads, dim], a
-    shared layer's those of its target), its block group and whether it stores (owns KV)."""
+    """Per model layer: the storage its K/V live in and its slot there (a shared layer: its
+    target's), its block group and whether it stores (owns KV)."""
 
-    k: tuple[torch.Tensor, ...]
-    v: tuple[torch.Tensor, ...]
+    storages: tuple[KVStorage, ...]
+    slots: tuple[int, ...]
     group_ids: tuple[int, ...]
     is_owner: tuple[bool, ...]
     block_size: int
@@ -68,27 +70,29 @@ class LayerKV:
     @classmethod
     def of(cls, cache: KVCache) -> LayerKV:
         layers = cache.desc.model.layers
-        views = [cache.layer_kv(i) for i in range(len(layers))]
+        where = [cache.layer_storage(i) for i in range(len(layers))]
         return cls(
-            tuple(k for k, _ in views),
-            tuple(v for _, v in views),
+            tuple(storage for storage, _ in where),
+            tuple(slot for _, slot in where),
             tuple(cache.plan.group_of(i) for i in range(len(layers))),
             tuple(x.has_kv for x in layers),
             cache.block_size,
         )
 
+    def views(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V, each [block, slot, heads, dim]."""
+        storage, slot = self.storages[layer_id], self.slots[layer_id]
+        return storage.k[slot], storage.v[slot]
+
     def write(self, layer_id: int, ctx: StepContext, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V [T, heads, dim] at their slots."""
-        blocks, slots = ctx.slot_blocks, ctx.slot_offsets
-        self.k[layer_id][blocks, slots] = k.to(self.k[layer_id].dtype)
-        self.v[layer_id][blocks, slots] = v.to(self.v[layer_id].dtype)
+        storage = self.storages[layer_id]
+        storage.write(self.slots[layer_id], ctx.slot_blocks, ctx.slot_offsets, k, v)
 
     def gather(self, layer_id: int, s: SeqSlice) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's K and V from `first_key` to `context_len`, each [n, heads, dim]."""
-        n = s.context_len - s.first_key
-        k = self.k[layer_id][s.block_table].flatten(0, 1)[:n]
-        v = self.v[layer_id][s.block_table].flatten(0, 1)[:n]
-        return k, v
+        storage, n = self.storages[layer_id], s.context_len - s.first_key
+        return storage.gather(self.slots[layer_id], s.block_table, n)
 
 
 class PagedAttention:
@@ -158,7 +162,7 @@ class PagedAttention:
             and new_k is not None
             and window == 0
             and kernels.amx
-            and q.dtype == self.kv.k[layer_id].dtype == torch.bfloat16
+            and q.dtype == self.kv.views(layer_id)[0].dtype == torch.bfloat16
             and q.shape[-1] % 32 == 0
         ):
             # native backend, bf16 with AMX: the C++ kernel, on the new K/V or the gathered
@@ -177,7 +181,8 @@ class PagedAttention:
             k, v, mask, causal = new_k[rows], new_v[rows], None, True
         else:
             k, v = self.kv.gather(layer_id, s)  # [ctx - first_key, H_kv, D]
-            mask, causal = _chunk_mask(s, window), False
+            mask = causal_mask(s.num_queries, s.context_len, window, first_key=s.first_key)
+            causal = False
         # 4-D inputs: torch's CPU flash kernel takes them; 3-D ones fall back to the math path
         o = F.scaled_dot_product_attention(
             qs[None],
@@ -191,7 +196,7 @@ class PagedAttention:
 
     def _attend_decodes(self, layer_id: int, q: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """q [S, H, D] (one query per sequence) -> [S, H, D], with padded K/V gathers."""
-        k_pool, v_pool = self.kv.k[layer_id], self.kv.v[layer_id]
+        k_pool, v_pool = self.kv.views(layer_id)
         kernels = self.kernels
         if (
             kernels is not None
@@ -209,14 +214,3 @@ class PagedAttention:
             enable_gqa=True,
         )  # [S, H, 1, D]
         return o.squeeze(2)
-
-
-def _chunk_mask(s: SeqSlice, window: int) -> torch.Tensor | None:
-    """Causal mask (within `window`, if any) of a chunk whose queries follow
-    `context_len - num_queries` cached tokens; keys from `first_key` on."""
-    if s.num_queries == 1 and window == 0:
-        return None  # one query sees the whole context
-    q_pos = torch.arange(s.context_len - s.num_queries, s.context_len)[:, None]
-    k_pos = torch.arange(s.first_key, s.context_len)[None, :]
-    mask = k_pos <= q_pos  # [Tq, ctx - first_key]
-    return mask & (k_pos > q_pos - window) if window else mask

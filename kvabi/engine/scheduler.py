@@ -23,11 +23,12 @@ Pure Python over ids; the one object handed to the runner is `ScheduledBatch`.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvabi.cache.block_groups import BlockGroup
 from kvabi.cache.block_hasher import BlockKey
-from kvabi.cache.kv_cache import NO_MATCH, NULL_BLOCK, KVCache, MatchResult
+from kvabi.cache.kv_cache import NO_MATCH, NULL_BLOCK, KVCache, MatchResult, held_blocks
 from kvabi.engine.sequence import SeqStatus, Sequence
 
 
@@ -141,7 +142,7 @@ class Scheduler:
         """Give `child` (a fork) the parent's block tables, one more reference per block."""
         child.block_tables = [list(t) for t in parent.block_tables]
         for g, table in zip(self.groups, child.block_tables, strict=True):
-            self.pools[g.pool_id].share(b for b in table if b != NULL_BLOCK)
+            self.pools[g.pool_id].share(held_blocks(table))
 
     def cache_computed(self, seq: Sequence) -> None:
         """Index the sequence's blocks that are now full and computed (after a step)."""
@@ -176,15 +177,23 @@ class Scheduler:
     def _can_admit(self, hit: MatchResult, n: int) -> bool:
         copy = 1 if hit.num_cached_tokens % self.block_size else 0  # a partly reused block
         total = -(-(hit.num_cached_tokens + n) // self.block_size)
-        need = [0] * len(self.pools)
+
+        def need(g: BlockGroup) -> int:  # new blocks, and hit blocks taken off the free queue
+            table = hit.table(g.group_id)
+            return total - len(table) + copy + self.pools[g.pool_id].num_free_of(held_blocks(table))
+
+        return self._pools_fit(need)
+
+    def _pools_fit(self, need: Callable[[BlockGroup], int]) -> bool:
+        """Whether every pool has the free blocks its groups `need`."""
+        per_pool = [0] * len(self.pools)
         for g in self.groups:
-            table, pool = hit.table(g.group_id), self.pools[g.pool_id]
-            need[g.pool_id] += total - len(table) + copy + pool.num_free_of(_held(table))
-        return all(k <= pool.num_free for k, pool in zip(need, self.pools, strict=True))
+            per_pool[g.pool_id] += need(g)
+        return all(k <= pool.num_free for k, pool in zip(per_pool, self.pools, strict=True))
 
     def _admit(self, seq: Sequence, hit: MatchResult) -> None:
         for g in self.groups:
-            self.pools[g.pool_id].touch(_held(hit.table(g.group_id)))
+            self.pools[g.pool_id].touch(held_blocks(hit.table(g.group_id)))
         seq.block_tables = [list(hit.table(g.group_id)) for g in self.groups]
         seq.num_computed = hit.num_cached_tokens
         seq.num_cached_blocks = len(hit.block_ids)
@@ -204,10 +213,7 @@ class Scheduler:
         return True
 
     def _can_allocate(self, seq: Sequence, n: int) -> bool:
-        need = [0] * len(self.pools)
-        for g in self.groups:
-            need[g.pool_id] += self._blocks_needed(seq, n, g)
-        return all(pool.can_allocate(k) for k, pool in zip(need, self.pools, strict=True))
+        return self._pools_fit(lambda g: self._blocks_needed(seq, n, g))
 
     def _release_window(self, seq: Sequence) -> None:
         """Free the blocks each sliding group's window no longer reaches: the step's first
@@ -234,21 +240,16 @@ class Scheduler:
 
     def _free_tables(self, seq: Sequence) -> None:
         for g, table in zip(self.groups, seq.block_tables, strict=False):  # none: waiting
-            self.pools[g.pool_id].free(_held(table))
+            self.pools[g.pool_id].free(held_blocks(table))
         seq.block_tables = []
 
     def _blocks_needed(self, seq: Sequence, n: int, g: BlockGroup) -> int:
         total = -(-(seq.num_computed + n) // self.block_size)
-        return total - len(self._table(seq, g)) + self._needs_copy(seq, g)
-
-    def _table(self, seq: Sequence, g: BlockGroup) -> list[int]:
-        if not seq.block_tables:
-            seq.block_tables = [[] for _ in self.groups]
-        return seq.block_tables[g.group_id]
+        return total - len(seq.block_tables[g.group_id]) + self._needs_copy(seq, g)
 
     def _needs_copy(self, seq: Sequence, g: BlockGroup) -> bool:
         """Whether the next token's block is one the sequence may not write (shared, cached)."""
-        i, table = seq.num_computed // self.block_size, self._table(seq, g)
+        i, table = seq.num_computed // self.block_size, seq.block_tables[g.group_id]
         return i < len(table) and not self.pools[g.pool_id].is_writable(table[i])
 
     def _allocate(self, seq: Sequence, n: int) -> None:
@@ -256,14 +257,14 @@ class Scheduler:
             if self._needs_copy(seq, g):
                 self._copy_on_write(seq, g)
             needed = max(self._blocks_needed(seq, n, g), 0)
-            self._table(seq, g).extend(self.pools[g.pool_id].allocate(needed))
+            seq.block_tables[g.group_id] += self.pools[g.pool_id].allocate(needed)
 
     def _copy_on_write(self, seq: Sequence, g: BlockGroup) -> None:
         """Swap the block about to be written for a private copy. The source is released at
         once: even if reused this step, the engine copies before anything writes."""
         i, table, pool = (
             seq.num_computed // self.block_size,
-            self._table(seq, g),
+            seq.block_tables[g.group_id],
             self.pools[g.pool_id],
         )
         src = table[i]
@@ -272,8 +273,3 @@ class Scheduler:
         table[i] = dst
         pool.free([src])
         self.stats.num_cow_copies += 1
-
-
-def _held(table: list[int] | tuple[int, ...]) -> list[int]:
-    """A table's blocks, without the entries a sliding window released."""
-    return [b for b in table if b != NULL_BLOCK]

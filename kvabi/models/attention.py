@@ -73,12 +73,14 @@ class ContiguousAttention:
             keys = self._append(self.keys, layer_id, k)  # [L, num_kv_heads, head_dim]
             values = self._append(self.values, layer_id, v)
         num_queries, num_keys = q.shape[0], keys.shape[0]
+        is_causal = spec.window == 0 and num_queries == num_keys > 1  # SDPA's own mask
+        mask = None if is_causal else causal_mask(num_queries, num_keys, spec.window, q.device)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1),  # [num_heads, T, head_dim]
             keys.transpose(0, 1).to(q.dtype),  # [num_kv_heads, L, head_dim]
             values.transpose(0, 1).to(q.dtype),
-            attn_mask=causal_mask(num_queries, num_keys, spec.window, q.device),
-            is_causal=spec.window == 0 and num_queries == num_keys > 1,
+            attn_mask=mask,
+            is_causal=is_causal,
             enable_gqa=True,
         )
         return out.transpose(0, 1)  # [T, num_heads, v_dim]
@@ -91,14 +93,19 @@ class ContiguousAttention:
 
 
 def causal_mask(
-    num_queries: int, num_keys: int, window: int, device: torch.device | None = None
+    num_queries: int,
+    num_keys: int,
+    window: int,
+    device: torch.device | None = None,
+    first_key: int = 0,
 ) -> torch.Tensor | None:
-    """[T, L] bool, True = may attend, for queries at the last `num_queries` of `num_keys`
-    positions; None where plain causal attention (or one query, no window) says it all."""
-    if window == 0 and (num_queries == 1 or num_queries == num_keys):
+    """[T, num_keys - first_key] bool, True = may attend, for queries at the last `num_queries`
+    of `num_keys` positions over keys `first_key ..` (within `window`, if any); None for one
+    query without a window, which sees every key."""
+    if window == 0 and num_queries == 1:
         return None
     query_pos = torch.arange(num_keys - num_queries, num_keys, device=device)[:, None]
-    key_pos = torch.arange(num_keys, device=device)[None, :]
+    key_pos = torch.arange(first_key, num_keys, device=device)[None, :]
     mask = key_pos <= query_pos
     if window:
         mask &= key_pos > query_pos - window
