@@ -14,15 +14,29 @@ ARCHITECTURES = ("llama", "mistral", "qwen2")
 ROPE_SCALING_TYPES = ("linear", "llama3")
 
 
-def _fail(field_name: str, message: str) -> ValueError:
+def config_error(field_name: str, message: str) -> ValueError:
+    """The error a bad config value raises: `ValueError("<field>: <message>")`."""
     return ValueError(f"{field_name}: {message}")
+
+
+def token_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    """An HF config's token id field (one id, a list of them, or absent) as a tuple."""
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (value,)
+
+
+def eos_ids(value: int | list[int] | None, extra: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """config.json's EOS ids, then those of `extra` (generation_config.json's) it lacks."""
+    ids = token_ids(value)
+    return ids + tuple(i for i in extra if i not in ids)
 
 
 def _require_positive(obj: object, names: tuple[str, ...]) -> None:
     for name in names:
         value = getattr(obj, name)
         if value <= 0:
-            raise _fail(name, f"must be > 0, got {value!r}")
+            raise config_error(name, f"must be > 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -42,14 +56,14 @@ class RopeScaling:
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_SCALING_TYPES:
-            raise _fail("rope_type", f"{self.rope_type!r} not in {ROPE_SCALING_TYPES}")
+            raise config_error("rope_type", f"{self.rope_type!r} not in {ROPE_SCALING_TYPES}")
         _require_positive(self, ("factor",))
         if self.rope_type == "llama3":
             _require_positive(
                 self, ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
             )
             if self.high_freq_factor <= self.low_freq_factor:
-                raise _fail(
+                raise config_error(
                     "high_freq_factor",
                     f"must exceed low_freq_factor ({self.low_freq_factor}), "
                     f"got {self.high_freq_factor}",
@@ -105,25 +119,27 @@ class ModelConfig:
         self._check_heads()
         self._check_token_ids()
         if self.sliding_window is not None and self.sliding_window <= 0:
-            raise _fail("sliding_window", f"must be > 0 or None, got {self.sliding_window}")
+            raise config_error("sliding_window", f"must be > 0 or None, got {self.sliding_window}")
         if self.architecture not in ARCHITECTURES:
-            raise _fail("architecture", f"{self.architecture!r} not in {ARCHITECTURES}")
+            raise config_error("architecture", f"{self.architecture!r} not in {ARCHITECTURES}")
 
     def _check_heads(self) -> None:
         if self.num_heads % self.num_kv_heads:
-            raise _fail(
+            raise config_error(
                 "num_kv_heads",
                 f"{self.num_kv_heads} must divide num_heads ({self.num_heads}) for GQA",
             )
         if self.head_dim % 2:
-            raise _fail("head_dim", f"must be even for RoPE, got {self.head_dim}")
+            raise config_error("head_dim", f"must be even for RoPE, got {self.head_dim}")
 
     def _check_token_ids(self) -> None:
         ids = (() if self.bos_token_id is None else (self.bos_token_id,)) + self.eos_token_ids
         for token_id in ids:
             if not 0 <= token_id < self.vocab_size:
                 name = "bos_token_id" if token_id == self.bos_token_id else "eos_token_ids"
-                raise _fail(name, f"{token_id} outside the vocabulary [0, {self.vocab_size})")
+                raise config_error(
+                    name, f"{token_id} outside the vocabulary [0, {self.vocab_size})"
+                )
 
     @property
     def num_queries_per_kv(self) -> int:

@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvabi.models.attention import AttentionFn
-from kvabi.models.cpu_kernels import CpuKernels
+from kvabi.models.decoder import Decoder
 from kvabi.models.experts import Experts
 from kvabi.models.gemma4_config import FULL, SLIDING, Gemma4Config
-from kvabi.models.layer_rope import FrequencyRope, proportional_inv_freq
-from kvabi.models.rope import apply_rope
+from kvabi.models.layer_rope import proportional_inv_freq
+from kvabi.models.rope import FrequencyRope, apply_rope
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -175,7 +175,7 @@ class ScaledEmbedding(nn.Embedding):
         return super().forward(ids) * scale.to(self.weight.dtype)
 
 
-class Gemma4Model(nn.Module):
+class Gemma4Model(Decoder):
     """`forward(input_ids, positions, attn) -> logits [num_tokens, vocab_size]`, as `LlamaModel`.
 
     With tied embeddings (Gemma's default) there is no `lm_head` parameter.
@@ -210,28 +210,6 @@ class Gemma4Model(nn.Module):
         fraction = rope.partial_rotary_factor if rope.rope_type == "proportional" else 1.0
         return FrequencyRope(proportional_inv_freq(head_dim, rope.theta, fraction, rope.factor))
 
-    @classmethod
-    def from_state_dict(
-        cls, config: Gemma4Config, state_dict: dict[str, torch.Tensor]
-    ) -> Gemma4Model:
-        """Build without random init; all parameters must be present, dtype/device as given."""
-        with torch.device("meta"):
-            model = cls(config)
-        model.load_state_dict(state_dict, strict=True, assign=True)
-        return model.eval()
-
-    def fuse_projections(self, pack: bool = True, kernels: CpuKernels | None = None) -> Gemma4Model:
-        """No fused or packed GEMMs for Gemma 4 yet: plain torch throughout."""
-        return self
-
-    def use_kernels(self, kernels: CpuKernels | None) -> Gemma4Model:
-        """No fused CPU kernels for Gemma 4 yet (its norms and activations differ from Llama's)."""
-        return self
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
-
     def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
         """PLE: (norm(projection of the embedding) + per-layer token embedding) / sqrt(2),
         [num_tokens, num_layers, hidden_size_per_layer_input]; None without PLE."""
@@ -257,12 +235,6 @@ class Gemma4Model(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight)  # [num_tokens, vocab_size]
+        logits = super().compute_logits(hidden)  # [num_tokens, vocab_size]
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn
-    ) -> torch.Tensor:
-        return self.compute_logits(self.hidden_states(input_ids, positions, attn))

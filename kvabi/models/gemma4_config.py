@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvabi.abi.descriptor import ATTN, SHARED, LayerSpec
+from kvabi.models.config import config_error, eos_ids
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 GEMMA4_LAYER_TYPES = (SLIDING, FULL)
@@ -20,10 +21,6 @@ GEMMA4_ROPE_TYPES = ("default", "proportional")
 ACTIVATIONS = ("gelu_pytorch_tanh",)
 _POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
              "num_kv_heads", "head_dim", "global_head_dim", "num_global_kv_heads")  # fmt: skip
-
-
-def _fail(field_name: str, message: str) -> ValueError:
-    return ValueError(f"{field_name}: {message}")
 
 
 @dataclass(frozen=True)
@@ -38,11 +35,13 @@ class Gemma4Rope:
 
     def __post_init__(self) -> None:
         if self.rope_type not in GEMMA4_ROPE_TYPES:
-            raise _fail("rope_type", f"{self.rope_type!r} not in {GEMMA4_ROPE_TYPES}")
+            raise config_error("rope_type", f"{self.rope_type!r} not in {GEMMA4_ROPE_TYPES}")
         if self.theta <= 0 or self.factor <= 0:
-            raise _fail("theta", f"theta and factor must be > 0, got {self.theta}, {self.factor}")
+            raise config_error(
+                "theta", f"theta and factor must be > 0, got {self.theta}, {self.factor}"
+            )
         if not 0.0 <= self.partial_rotary_factor <= 1.0:
-            raise _fail(
+            raise config_error(
                 "partial_rotary_factor", f"must be in [0, 1], got {self.partial_rotary_factor}"
             )
 
@@ -91,42 +90,48 @@ class Gemma4Config:
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
         for name in _POSITIVE:
             if getattr(self, name) <= 0:
-                raise _fail(name, f"must be > 0, got {getattr(self, name)!r}")
+                raise config_error(name, f"must be > 0, got {getattr(self, name)!r}")
         self._check_layers()
         self._check_options()
         self.kv_sharing_modes()  # raises where a shared layer type has no store layer
 
     def _check_layers(self) -> None:
         if len(self.layer_types) != self.num_layers:
-            raise _fail(
+            raise config_error(
                 "layer_types", f"{len(self.layer_types)} entries for {self.num_layers} layers"
             )
         unknown = set(self.layer_types) - set(GEMMA4_LAYER_TYPES)
         if unknown:
-            raise _fail("layer_types", f"{sorted(unknown)} not in {GEMMA4_LAYER_TYPES}")
+            raise config_error("layer_types", f"{sorted(unknown)} not in {GEMMA4_LAYER_TYPES}")
         if (SLIDING in self.layer_types) != (self.sliding_window is not None):
-            raise _fail("sliding_window", "must be set exactly when some layer slides")
+            raise config_error("sliding_window", "must be set exactly when some layer slides")
         if self.sliding_window is not None and self.sliding_window <= 0:
-            raise _fail("sliding_window", f"must be > 0, got {self.sliding_window}")
+            raise config_error("sliding_window", f"must be > 0, got {self.sliding_window}")
         for i in range(self.num_layers):
             if self.num_heads % self.layer_kv_heads(i) or self.layer_head_dim(i) % 2:
-                raise _fail("num_kv_heads", f"layer {i}: heads must divide, head_dim be even")
+                raise config_error(
+                    "num_kv_heads", f"layer {i}: heads must divide, head_dim be even"
+                )
         if not 0 <= self.num_kv_shared_layers < self.num_layers:
-            raise _fail("num_kv_shared_layers", f"must be in [0, {self.num_layers})")
+            raise config_error("num_kv_shared_layers", f"must be in [0, {self.num_layers})")
 
     def _check_options(self) -> None:
         if self.hidden_activation not in ACTIVATIONS:
-            raise _fail("hidden_activation", f"{self.hidden_activation!r} not in {ACTIVATIONS}")
+            raise config_error(
+                "hidden_activation", f"{self.hidden_activation!r} not in {ACTIVATIONS}"
+            )
         if self.hidden_size_per_layer_input < 0 or (
             self.hidden_size_per_layer_input and self.vocab_size_per_layer_input <= 0
         ):
-            raise _fail("hidden_size_per_layer_input", "PLE needs vocab_size_per_layer_input > 0")
+            raise config_error(
+                "hidden_size_per_layer_input", "PLE needs vocab_size_per_layer_input > 0"
+            )
         if self.num_experts and not 0 < self.top_k_experts <= self.num_experts:
-            raise _fail("top_k_experts", f"must be in [1, {self.num_experts}]")
+            raise config_error("top_k_experts", f"must be in [1, {self.num_experts}]")
         if self.num_experts and self.moe_intermediate_size <= 0:
-            raise _fail("moe_intermediate_size", "must be > 0 with experts")
+            raise config_error("moe_intermediate_size", "must be > 0 with experts")
         if self.architecture != "gemma4":
-            raise _fail("architecture", f"{self.architecture!r} is not 'gemma4'")
+            raise config_error("architecture", f"{self.architecture!r} is not 'gemma4'")
 
     def is_sliding(self, layer_id: int) -> bool:
         return self.layer_types[layer_id] == SLIDING
@@ -156,7 +161,9 @@ class Gemma4Config:
         for layer_type in set(self.layer_types):
             own = [i for i in range(first_shared) if self.layer_types[i] == layer_type]
             if not own:
-                raise _fail("num_kv_shared_layers", f"no earlier {layer_type} layer to share")
+                raise config_error(
+                    "num_kv_shared_layers", f"no earlier {layer_type} layer to share"
+                )
             modes[own[-1]] = "store"
         return tuple(modes)
 
@@ -239,8 +246,6 @@ def read_gemma4_config(raw: Mapping[str, Any], extra_eos: tuple[int, ...] = ()) 
     _check_supported(raw)
     layer_types = _layer_types(raw)
     global_head_dim, num_global_kv_heads = _global_geometry(raw, layer_types)
-    eos = raw.get("eos_token_id")
-    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
     return Gemma4Config(
         vocab_size=raw["vocab_size"],
         hidden_size=raw["hidden_size"],
@@ -269,7 +274,7 @@ def read_gemma4_config(raw: Mapping[str, Any], extra_eos: tuple[int, ...] = ()) 
         moe_intermediate_size=raw.get("moe_intermediate_size") or 0,
         hidden_activation=raw.get("hidden_activation", "gelu_pytorch_tanh"),
         bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=eos_ids + tuple(i for i in extra_eos if i not in eos_ids),
+        eos_token_ids=eos_ids(raw.get("eos_token_id"), extra_eos),
     )
 
 

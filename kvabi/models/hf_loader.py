@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from kvabi.models.checkpoint import AnyConfig, Checkpoint, parse_dtype
-from kvabi.models.config import ModelConfig, RopeScaling
+from kvabi.models.config import ModelConfig, RopeScaling, eos_ids, token_ids
 from kvabi.models.expert_weights import merge_expert_weights
 from kvabi.models.gemma4_config import Gemma4Config, gemma4_weight_name, read_gemma4_config
 from kvabi.models.laguna_config import LagunaConfig, laguna_weight_name, read_laguna_config
@@ -53,12 +53,6 @@ def _rope(raw: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     raise ValueError(f"rope_type {rope_type!r} not supported; supported: default, linear, llama3")
 
 
-def _ids(value: int | list[int] | None) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return tuple(value) if isinstance(value, list) else (value,)
-
-
 def _biases(raw: Mapping[str, Any], model_type: str) -> dict[str, bool]:
     if model_type == "qwen2":  # q/k/v carry a bias, o_proj and the MLP do not
         return {"attention_bias": True, "attention_out_bias": False, "mlp_bias": False}
@@ -92,7 +86,6 @@ def read_hf_config(raw: Mapping[str, Any], extra_eos: tuple[int, ...] = ()) -> A
         raise ValueError("quantization_config: quantized HF checkpoints are not supported")
     num_heads = raw["num_attention_heads"]
     theta, scaling = _rope(raw)
-    eos = _ids(raw.get("eos_token_id"))
     return ModelConfig(
         vocab_size=raw["vocab_size"],
         hidden_size=raw["hidden_size"],
@@ -108,7 +101,7 @@ def read_hf_config(raw: Mapping[str, Any], extra_eos: tuple[int, ...] = ()) -> A
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         sliding_window=_sliding_window(raw, model_type),
         bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=eos + tuple(i for i in extra_eos if i not in eos),
+        eos_token_ids=eos_ids(raw.get("eos_token_id"), extra_eos),
         architecture=model_type,
         **_biases(raw, model_type),
     )
@@ -119,7 +112,7 @@ def load_hf_config(folder: str | Path) -> AnyConfig:
     if not folder.is_dir():
         raise FileNotFoundError(f"HF checkpoint folder not found: {folder}")
     generation = folder / "generation_config.json"
-    extra = _ids(_read_json(generation).get("eos_token_id")) if generation.is_file() else ()
+    extra = token_ids(_read_json(generation).get("eos_token_id")) if generation.is_file() else ()
     return read_hf_config(_read_json(folder / "config.json"), extra)
 
 

@@ -13,11 +13,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvabi.models.attention import AttentionFn
-from kvabi.models.cpu_kernels import CpuKernels
+from kvabi.models.decoder import Decoder
 from kvabi.models.experts import Experts
 from kvabi.models.laguna_config import FULL, SLIDING, LagunaConfig
-from kvabi.models.layer_rope import FrequencyRope, apply_partial_rope, partial_inv_freq
+from kvabi.models.layer_rope import apply_partial_rope, partial_inv_freq
 from kvabi.models.llama import RMSNorm
+from kvabi.models.rope import FrequencyRope
 
 
 class LagunaAttention(nn.Module):
@@ -124,7 +125,7 @@ class LagunaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LagunaModel(nn.Module):
+class LagunaModel(Decoder):
     """`forward(input_ids, positions, attn) -> logits [num_tokens, vocab_size]`, as `LlamaModel`."""
 
     def __init__(self, config: LagunaConfig) -> None:
@@ -146,28 +147,6 @@ class LagunaModel(nn.Module):
             partial_inv_freq(self.config.head_dim, rope.theta, rope.partial_rotary_factor)
         )
 
-    @classmethod
-    def from_state_dict(
-        cls, config: LagunaConfig, state_dict: dict[str, torch.Tensor]
-    ) -> LagunaModel:
-        """Build without random init; all parameters must be present, dtype/device as given."""
-        with torch.device("meta"):
-            model = cls(config)
-        model.load_state_dict(state_dict, strict=True, assign=True)
-        return model.eval()
-
-    def fuse_projections(self, pack: bool = True, kernels: CpuKernels | None = None) -> LagunaModel:
-        """No fused or packed GEMMs for Laguna yet: plain torch throughout."""
-        return self
-
-    def use_kernels(self, kernels: CpuKernels | None) -> LagunaModel:
-        """No fused CPU kernels for Laguna yet."""
-        return self
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
-
     def hidden_states(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn
     ) -> torch.Tensor:
@@ -177,12 +156,3 @@ class LagunaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, *tables[self.config.layer_types[i]], attn)
         return self.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)  # [num_tokens, vocab_size]
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn
-    ) -> torch.Tensor:
-        return self.compute_logits(self.hidden_states(input_ids, positions, attn))

@@ -12,15 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvabi.abi.descriptor import ATTN, LayerSpec
+from kvabi.models.config import config_error, eos_ids
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 LAGUNA_LAYER_TYPES = (SLIDING, FULL)
 MLP_TYPES = ("dense", "sparse")
 GATINGS = ("per-head", "per-element")
-
-
-def _fail(field_name: str, message: str) -> ValueError:
-    return ValueError(f"{field_name}: {message}")
 
 
 @dataclass(frozen=True)
@@ -32,7 +29,7 @@ class LagunaRope:
 
     def __post_init__(self) -> None:
         if self.theta <= 0 or not 0.0 < self.partial_rotary_factor <= 1.0:
-            raise _fail("rope", f"theta > 0 and fraction in (0, 1], got {self}")
+            raise config_error("rope", f"theta > 0 and fraction in (0, 1], got {self}")
 
 
 @dataclass(frozen=True)
@@ -72,38 +69,42 @@ class LagunaConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_kv_heads", "head_dim"):  # fmt: skip
             if getattr(self, name) <= 0:
-                raise _fail(name, f"must be > 0, got {getattr(self, name)!r}")
+                raise config_error(name, f"must be > 0, got {getattr(self, name)!r}")
         for name in ("num_heads_per_layer", "layer_types", "mlp_layer_types"):
             if len(getattr(self, name)) != self.num_layers:
-                raise _fail(
+                raise config_error(
                     name, f"{len(getattr(self, name))} entries for {self.num_layers} layers"
                 )
         if any(n <= 0 or n % self.num_kv_heads for n in self.num_heads_per_layer):
-            raise _fail("num_heads_per_layer", f"each a multiple of {self.num_kv_heads} KV heads")
+            raise config_error(
+                "num_heads_per_layer", f"each a multiple of {self.num_kv_heads} KV heads"
+            )
         self._check_types()
         self._check_moe()
 
     def _check_types(self) -> None:
         if set(self.layer_types) - set(LAGUNA_LAYER_TYPES):
-            raise _fail("layer_types", f"{self.layer_types} not all in {LAGUNA_LAYER_TYPES}")
+            raise config_error("layer_types", f"{self.layer_types} not all in {LAGUNA_LAYER_TYPES}")
         if set(self.mlp_layer_types) - set(MLP_TYPES):
-            raise _fail("mlp_layer_types", f"{self.mlp_layer_types} not all in {MLP_TYPES}")
+            raise config_error("mlp_layer_types", f"{self.mlp_layer_types} not all in {MLP_TYPES}")
         if (SLIDING in self.layer_types) != (self.sliding_window is not None):
-            raise _fail("sliding_window", "must be set exactly when some layer slides")
+            raise config_error("sliding_window", "must be set exactly when some layer slides")
         if self.sliding_window is not None and self.sliding_window <= 0:
-            raise _fail("sliding_window", f"must be > 0, got {self.sliding_window}")
+            raise config_error("sliding_window", f"must be > 0, got {self.sliding_window}")
         if self.gating not in GATINGS:
-            raise _fail("gating", f"{self.gating!r} not in {GATINGS}")
+            raise config_error("gating", f"{self.gating!r} not in {GATINGS}")
         if self.architecture != "laguna":
-            raise _fail("architecture", f"{self.architecture!r} is not 'laguna'")
+            raise config_error("architecture", f"{self.architecture!r} is not 'laguna'")
 
     def _check_moe(self) -> None:
         if "sparse" not in self.mlp_layer_types:
             return
         if not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise _fail("num_experts_per_tok", f"must be in [1, num_experts={self.num_experts}]")
+            raise config_error(
+                "num_experts_per_tok", f"must be in [1, num_experts={self.num_experts}]"
+            )
         if self.moe_intermediate_size <= 0 or self.shared_expert_intermediate_size <= 0:
-            raise _fail("moe_intermediate_size", "sparse layers need expert sizes > 0")
+            raise config_error("moe_intermediate_size", "sparse layers need expert sizes > 0")
 
     def is_sliding(self, layer_id: int) -> bool:
         return self.layer_types[layer_id] == SLIDING
@@ -153,8 +154,6 @@ def read_laguna_config(raw: Mapping[str, Any], extra_eos: tuple[int, ...] = ()) 
     num_layers = raw["num_hidden_layers"]
     layer_types = tuple(raw.get("layer_types") or [FULL] * num_layers)
     heads = raw.get("num_attention_heads_per_layer") or [raw["num_attention_heads"]] * num_layers
-    eos = raw.get("eos_token_id")
-    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
     return LagunaConfig(
         vocab_size=raw["vocab_size"],
         hidden_size=raw["hidden_size"],
@@ -182,7 +181,7 @@ def read_laguna_config(raw: Mapping[str, Any], extra_eos: tuple[int, ...] = ()) 
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=bool(raw.get("attention_bias", False)),
         bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=eos_ids + tuple(i for i in extra_eos if i not in eos_ids),
+        eos_token_ids=eos_ids(raw.get("eos_token_id"), extra_eos),
     )
 
 

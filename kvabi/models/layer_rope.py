@@ -1,4 +1,4 @@
-"""RoPE tables from explicit inverse frequencies, for models whose layer types differ in RoPE.
+"""Inverse frequencies (for `rope.FrequencyRope`) of models whose layer types differ in RoPE.
 
 Gemma 4 and Laguna give each layer type its own theta and rotated fraction. The formulas follow
 HF transformers' step for step (float32, same operation order), so cos/sin agree to the bit.
@@ -7,7 +7,6 @@ HF transformers' step for step (float32, same operation order), so cos/sin agree
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from kvabi.models.rope import apply_rope
 
@@ -31,22 +30,6 @@ def partial_inv_freq(head_dim: int, theta: float, fraction: float) -> torch.Tens
     dim = int(head_dim * fraction)
     steps = torch.arange(0, dim, 2, dtype=torch.float, device="cpu")
     return 1.0 / (theta ** (steps / dim))  # [dim // 2]
-
-
-class FrequencyRope(nn.Module):
-    """cos/sin [T, 2 * len(inv_freq)] for given positions. `inv_freq` is a plain float32
-    attribute (not a buffer: `model.to(bf16)` must not round it)."""
-
-    def __init__(self, inv_freq: torch.Tensor) -> None:
-        super().__init__()
-        self.inv_freq = inv_freq
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, rotary_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, rotary_dim]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

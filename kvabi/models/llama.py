@@ -15,6 +15,7 @@ from torch import nn
 from kvabi.models.attention import AttentionFn
 from kvabi.models.config import ModelConfig
 from kvabi.models.cpu_kernels import CpuKernels
+from kvabi.models.decoder import Decoder
 from kvabi.models.packed_linear import PackedLinear
 from kvabi.models.rope import RotaryEmbedding, apply_rope
 
@@ -143,7 +144,7 @@ class DecoderLayer(nn.Module):
         return x.add_(self.mlp(h))
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(Decoder):
     """`forward(input_ids, positions, attn) -> logits [num_tokens, vocab_size]`.
 
     Engines that need logits only for some tokens call `hidden_states` then `compute_logits` on
@@ -162,16 +163,6 @@ class LlamaModel(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.logits: PackedLinear | None = None  # set by fuse_projections(pack=True)
 
-    @classmethod
-    def from_state_dict(
-        cls, config: ModelConfig, state_dict: dict[str, torch.Tensor]
-    ) -> LlamaModel:
-        """Build without random init; all parameters must be present, dtype/device as given."""
-        with torch.device("meta"):
-            model = cls(config)
-        model.load_state_dict(state_dict, strict=True, assign=True)
-        return model.eval()
-
     def fuse_projections(self, pack: bool = True, kernels: CpuKernels | None = None) -> LlamaModel:
         """Serve q/k/v and gate/up with one GEMM each (weights shared, outputs unchanged up to
         GEMM summation order). Parameters stay HF-named views, so state_dict() still works.
@@ -183,8 +174,7 @@ class LlamaModel(nn.Module):
             layer.self_attn.fuse(pack, kernels)
             layer.mlp.fuse(pack, kernels)
         if self.logits is None:
-            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            self.logits = PackedLinear(weight, None, pack, kernels)
+            self.logits = PackedLinear(self.logit_weight, None, pack, kernels)
         return self
 
     def use_kernels(self, kernels: CpuKernels | None) -> LlamaModel:
@@ -193,10 +183,6 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             layer.kernels = layer.self_attn.kernels = layer.mlp.kernels = kernels
         return self
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
 
     def hidden_states(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn
@@ -211,10 +197,4 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.logits is not None:
             return self.logits(hidden)  # [num_tokens, vocab_size]
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn
-    ) -> torch.Tensor:
-        return self.compute_logits(self.hidden_states(input_ids, positions, attn))
+        return super().compute_logits(hidden)

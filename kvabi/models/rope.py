@@ -87,23 +87,30 @@ def _check_fit(expected: np.ndarray, fitted: np.ndarray) -> None:
         )
 
 
-class RotaryEmbedding(nn.Module):
-    """cos/sin for given positions.
+class FrequencyRope(nn.Module):
+    """cos/sin [T, 2 * len(inv_freq)] for given positions, from explicit inverse frequencies.
 
     `inv_freq` is a plain float32 attribute, not a buffer, so `model.to(torch.bfloat16)` cannot
     round it; it follows the positions to their device on first use.
     """
 
-    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None) -> None:
+    def __init__(self, inv_freq: torch.Tensor) -> None:
         super().__init__()
-        self.inv_freq = scaled_inv_freq(head_dim, theta, scaling)  # [head_dim // 2], float32
+        self.inv_freq = inv_freq  # [rotary_dim // 2], float32
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, head_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, rotary_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, rotary_dim]
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class RotaryEmbedding(FrequencyRope):
+    """Llama-family RoPE over the whole head, with its frequency scaling."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None) -> None:
+        super().__init__(scaled_inv_freq(head_dim, theta, scaling))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
