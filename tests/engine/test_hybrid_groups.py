@@ -13,6 +13,7 @@ import pytest
 
 from kvabi.abi.descriptor import ATTN, LayerSpec
 from kvabi.cache.kv_cache import NULL_BLOCK
+from kvabi.cache.tier_config import TierConfig
 from kvabi.engine.engine import EngineConfig, LLMEngine
 from kvabi.engine.sampling_params import SamplingParams
 from kvabi.models.config import ModelConfig
@@ -91,6 +92,7 @@ def test_a_prefix_hit_needs_the_full_groups_prefix_and_the_sliding_groups_window
     first = run_all(e, [PROMPTS[0]], GREEDY)[0]
     again = run_all(e, [PROMPTS[0]], GREEDY)[0]  # admitted on a hit: only the last token runs
     assert tuple(first.outputs[0].token_ids) == tuple(again.outputs[0].token_ids) == reference[0]
+    assert e.cache.stats.prefix.hit_tokens == len(PROMPTS[0]) - 1
     hashes = e.scheduler.block_hashes(e._new_seq("x", 0, tuple(PROMPTS[0]), GREEDY))
     hit = e.cache.match(hashes, len(PROMPTS[0]))
     assert hit.num_cached_tokens == len(PROMPTS[0]) - 1  # 24 of 25: all but the last token
@@ -103,5 +105,12 @@ def test_a_prefix_hit_needs_the_full_groups_prefix_and_the_sliding_groups_window
 
 def test_tiers_and_transfers_refuse_a_hybrid_cache_clearly():
     e = engine()
-    with pytest.raises(ValueError, match="^export: a hybrid model's cache"):
-        e.cache.export(PROMPTS[0], None)
+    for call in (
+        lambda: e.cache.export(PROMPTS[0], None),
+        lambda: e.cache.export_layer(0, [0]),
+        lambda: e.cache.held([]),
+    ):
+        with pytest.raises(ValueError, match="^[a-z_]+: a hybrid model's cache"):
+            call()
+    with pytest.raises(ValueError, match="^tiers: a hybrid model's cache"):
+        engine(tiers=TierConfig(host_bytes=2**20))

@@ -13,6 +13,7 @@ import torch
 
 from kvabi.models import ContiguousAttention, load_hf
 from kvabi.models.checkpoint import AnyModel
+from tests.models.tiny import hf_logits, our_logits, our_logits_incremental, random_ids
 
 # fp32 logit tolerance: the attention kernels differ (HF's SDPA over a mask tensor, ours over
 # ContiguousAttention's), by a few ulps per layer; Gemma 4's four sandwich norms per layer carry
@@ -67,3 +68,26 @@ def hf_greedy(hf: Any, prompt: torch.Tensor, num_new: int) -> tuple[list[int], l
     )
     margins = [float(s[0].topk(2).values.diff().abs()) for s in out.scores]
     return out.sequences[0, prompt.shape[0] :].tolist(), margins
+
+
+def assert_logits_equal(hf: Any, model: AnyModel) -> None:
+    """Whole-prompt logits equal HF's, on a prompt of several windows."""
+    ids = random_ids(24)
+    expected = hf_logits(hf, ids)
+    assert expected.abs().max() > 1.0  # weights are large enough for the check to bite
+    torch.testing.assert_close(our_logits(model, ids), expected, atol=FP32_LOGIT_TOL, rtol=0)
+
+
+def assert_incremental_equal(hf: Any, model: AnyModel) -> None:
+    """A 7-token prefill, then one token per forward, equal HF's whole-prompt logits."""
+    ids = random_ids(24)
+    got = our_logits_incremental(model, ids, prefill=7)
+    torch.testing.assert_close(got, hf_logits(hf, ids), atol=FP32_LOGIT_TOL, rtol=0)
+
+
+def assert_greedy_equal(hf: Any, model: AnyModel) -> None:
+    """16 greedy tokens equal HF `generate`'s, every step clear of a near-tie."""
+    prompt = random_ids(10, seed=3)
+    want, margins = hf_greedy(hf, prompt, 16)
+    assert min(margins) > 2 * FP32_LOGIT_TOL  # no near-tie: equality is guaranteed, not luck
+    assert our_greedy(model, prompt, 16) == want

@@ -14,13 +14,14 @@ from kvabi.models import ContiguousAttention, Gemma4Model, load_hf, load_model
 from kvabi.models.gemma4_config import read_gemma4_config
 from tests.models.hf_reference import (
     FP32_LOGIT_TOL,
-    hf_greedy,
-    our_greedy,
+    assert_greedy_equal,
+    assert_incremental_equal,
+    assert_logits_equal,
     randomize,
     save_and_load,
 )
 from tests.models.test_registry import _write_tokenizer as write_tokenizer
-from tests.models.tiny import hf_logits, our_logits, our_logits_incremental, random_ids
+from tests.models.tiny import hf_logits, our_logits, random_ids
 
 transformers = pytest.importorskip("transformers")
 S, F = "sliding_attention", "full_attention"
@@ -90,26 +91,15 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 
 def test_logits_equal_transformers(pair: Any) -> None:
-    hf, model = pair
-    ids = random_ids(24)  # 4-6 times the window
-    expected = hf_logits(hf, ids)
-    assert expected.abs().max() > 1.0  # weights are large enough for the check to bite
-    torch.testing.assert_close(our_logits(model, ids), expected, atol=FP32_LOGIT_TOL, rtol=0)
+    assert_logits_equal(*pair)
 
 
 def test_incremental_decode_equals_transformers(pair: Any) -> None:
-    hf, model = pair
-    ids = random_ids(24)
-    got = our_logits_incremental(model, ids, prefill=7)
-    torch.testing.assert_close(got, hf_logits(hf, ids), atol=FP32_LOGIT_TOL, rtol=0)
+    assert_incremental_equal(*pair)
 
 
 def test_greedy_equals_generate(pair: Any) -> None:
-    hf, model = pair
-    prompt = random_ids(10, seed=3)
-    want, margins = hf_greedy(hf, prompt, 16)
-    assert min(margins) > 2 * FP32_LOGIT_TOL  # no near-tie: equality is guaranteed, not luck
-    assert our_greedy(model, prompt, 16) == want
+    assert_greedy_equal(*pair)
 
 
 def test_kv_layers_mark_shared_layers(tmp_path: Path) -> None:
