@@ -88,7 +88,7 @@ def _engine_answers(ids: list[int]) -> None:
     from kvabi.engine.llm import LLM
     from kvabi.engine.sampling_params import SamplingParams
 
-    llm = LLM(dtype="bf16", kv_layout="hnd", progress=False)
+    llm = LLM(dtype="auto", kv_layout="hnd", progress=False)
     print(f"\n5. kvabi's own engine, cache layout {llm.engine.info.descriptor.layout.name}:")
     print("   ", end="")
     for delta in llm.stream(ids, SamplingParams(max_tokens=48, temperature=0)):

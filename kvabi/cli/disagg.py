@@ -69,7 +69,12 @@ def cmd_router(args: argparse.Namespace) -> int:
 def add_disagg_args(p: argparse.ArgumentParser) -> None:
     add_router_args(p)
     p.add_argument("--model", help="a .gguf file, an HF folder, or a bundled name")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bf16", "fp32"],
+        help="weights and KV; auto: bf16 where the CPU computes it natively (AVX-512 BF16, AMX)",
+    )
     p.add_argument("--prefill-layout", default="hnd", help="the prefill instance's KV layout")
     p.add_argument("--prefill-block-size", type=int, default=16)
     p.add_argument("--decode-layout", default="nhd", help="the decode instance's KV layout")

@@ -36,7 +36,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="a .gguf file, an HF folder, or a bundled name "
         "(default: the bundled SmolLM2-135M-Instruct)",
     )
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bf16", "fp32"],
+        help="weights and KV; auto: bf16 where the CPU computes it natively (AVX-512 BF16, AMX)",
+    )
     p.add_argument("--kv-layout", default="nhd", help="nhd, hnd or a paged preset name")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=256)

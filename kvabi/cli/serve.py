@@ -25,7 +25,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("KVABI_API_KEY"),
         help="require `Authorization: Bearer KEY` on /v1/* (default: $KVABI_API_KEY)",
     )
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bf16", "fp32"],
+        help="weights and KV; auto: bf16 where the CPU computes it natively (AVX-512 BF16, AMX)",
+    )
     p.add_argument("--kv-layout", default="nhd", help="nhd, hnd or a paged preset name")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=32, help="sequences batched together")

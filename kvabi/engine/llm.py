@@ -20,7 +20,7 @@ class LLM:
     def __init__(
         self,
         model: str | Path | None = None,
-        dtype: str = "bf16",
+        dtype: str = "auto",
         progress: bool = True,
         hooks: EngineHooks = EngineHooks(),
         **engine_config: object,

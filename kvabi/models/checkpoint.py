@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvabi.models.config import ModelConfig
+from kvabi.models.cpu_kernels import has_native_bf16
 from kvabi.models.gemma4 import Gemma4Model
 from kvabi.models.gemma4_config import Gemma4Config
 from kvabi.models.laguna import LagunaModel
@@ -31,12 +32,15 @@ WEIGHT_DTYPES: dict[str, torch.dtype] = {
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """fp32 or bf16, by name or as a torch dtype; anything else is a ValueError."""
+    """fp32 or bf16, by name or as a torch dtype; `auto`: bf16 where the CPU computes it
+    natively (`has_native_bf16`), else fp32. Anything else is a ValueError."""
+    if dtype == "auto":
+        return torch.bfloat16 if has_native_bf16() else torch.float32
     if isinstance(dtype, torch.dtype) and dtype in WEIGHT_DTYPES.values():
         return dtype
     if isinstance(dtype, str) and dtype.lower() in WEIGHT_DTYPES:
         return WEIGHT_DTYPES[dtype.lower()]
-    raise ValueError(f"dtype: {dtype!r} not supported; use one of {sorted(WEIGHT_DTYPES)}")
+    raise ValueError(f"dtype: {dtype!r} not supported; use auto or one of {sorted(WEIGHT_DTYPES)}")
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,14 @@ def kernel_status() -> str:
     return _status[0]
 
 
+def has_native_bf16() -> bool:
+    """Whether this CPU does bf16 arithmetic natively (AVX-512 BF16 or AMX): elsewhere torch
+    widens bf16 GEMMs to fp32 in software, measured 4x slower than fp32 at 512 rows on a
+    2-core AVX2-only EPYC."""
+    flags = _cpu_flags().split()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def _cpu_flags() -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()
