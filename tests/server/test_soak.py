@@ -26,6 +26,11 @@ WARM_UP_S, ROUND_S, NUM_ROUNDS = 150.0, 30.0, 3
 # GEMM shape, up to its cache of 1,024; glibc's arenas keep freed tensors), then 0 to +30 MB a
 # 45 s round. A leak of one KV block (23 KB) per request would add about 15 MB a round.
 RSS_SPREAD_MB = 96
+# A stream gets no bytes while its request waits for one of the 32 running slots. On a 2-core
+# AVX2-only CPU (no AVX-512, no AMX) this load runs about 300 prompt tokens a second, and the
+# 64th request of the first wave waited 105 s for its first token (measured in-process with the
+# engine, no HTTP): a 120 s read timeout failed good requests there. Waiting is not failing.
+READ_TIMEOUT_S = 600.0
 WORDS = ["alpha", "beta", "gamma", "delta", "echo", "fox", "golf", "hotel"]
 
 
@@ -66,7 +71,7 @@ async def _round(base: str, seconds: float, seed: int) -> Counter:
 
     async def client(i: int) -> None:
         rng = random.Random(seed * 1000 + i)
-        async with httpx.AsyncClient(timeout=120) as c:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(READ_TIMEOUT_S, connect=30)) as c:
             while time.monotonic() < end:
                 await _one(c, base, rng, seen)
 
