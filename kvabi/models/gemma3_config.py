@@ -117,7 +117,9 @@ def _full_rope(raw: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
         return theta, None
     if rope_type == "linear":
         return theta, RopeScaling("linear", float(params["factor"]))
-    raise ValueError(f"rope_type {rope_type!r} not supported for Gemma 3; supported: default, linear")
+    raise ValueError(
+        f"rope_type {rope_type!r} not supported for Gemma 3; supported: default, linear"
+    )
 
 
 def _local_theta(raw: Mapping[str, Any]) -> float:

@@ -134,7 +134,8 @@ def _our_name(hf_name: str, config: AnyConfig) -> str | None:
 def load_hf(
     folder: str | Path, dtype: str | torch.dtype = "fp32", progress: bool = True
 ) -> Checkpoint:
-    """Read an HF Llama/Mistral/Qwen2/Gemma 3/Gemma 4/Laguna folder into a `Checkpoint` (fp32/bf16)."""
+    """Read an HF Llama/Mistral/Qwen2/Gemma 3/Gemma 4/Laguna folder into a `Checkpoint`
+    (fp32/bf16)."""
     from safetensors import safe_open
 
     config = load_hf_config(folder)

@@ -107,7 +107,9 @@ def test_multimodal_checkpoint_loads_its_text_model(tmp_path: Path) -> None:
         hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         patch_size=4, image_size=8,
     )  # fmt: skip
-    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4
+    )
     torch.manual_seed(0)
     hf = randomize(transformers.Gemma3ForConditionalGeneration(config))
     hf.save_pretrained(tmp_path)
