@@ -135,3 +135,71 @@ def test_bad_configs_raise(change: dict[str, Any], message: str) -> None:
     raw = transformers.Gemma3TextConfig(**COMMON, **CONFIGS["default-pattern"]).to_dict()
     with pytest.raises(ValueError, match=message):
         read_gemma3_config({**raw, **change})
+
+
+def write_gemma3_gguf(path: Path, hf: torch.nn.Module) -> None:
+    """As llama.cpp's converter: gemma3.* keys, GGUF tensor names, norm weights stored w + 1."""
+    import gguf
+
+    from kvabi.models.gguf_loader import _GEMMA3_BLOCK_NAMES
+
+    cfg, writer = hf.config, gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_parameters[F]["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_sliding_window(cfg.sliding_window)
+    names = {"embed_tokens": "token_embd", "norm": "output_norm"}
+    names |= {ours: kind for kind, ours in _GEMMA3_BLOCK_NAMES.items()}
+    for name, tensor in hf.state_dict().items():
+        if name == "lm_head.weight":
+            continue
+        parts = name.removeprefix("model.").removesuffix(".weight").split(".")
+        target = names[".".join(parts)] if parts[0] != "layers" else (
+            f"blk.{parts[1]}.{names['.'.join(parts[2:])]}"
+        )  # fmt: skip
+        array = tensor.numpy() + (1.0 if name.endswith("norm.weight") else 0.0)
+        writer.add_tensor(f"{target}.weight", array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_of_a_tiny_model_equals_transformers(tmp_path: Path) -> None:
+    """Without the bundled file: a tiny Gemma 3 written as llama.cpp would, read back equal."""
+    from kvabi.models import load_gguf
+
+    torch.manual_seed(0)
+    config = transformers.Gemma3TextConfig(
+        **COMMON, num_hidden_layers=6, sliding_window=4, query_pre_attn_scalar=16
+    )
+    hf = randomize(transformers.Gemma3ForCausalLM(config))
+    write_gemma3_gguf(tmp_path / "tiny.gguf", hf)
+    model = load_gguf(tmp_path / "tiny.gguf", progress=False).build()
+    assert model.config.layer_types == tuple(hf.config.layer_types)
+    ids = random_ids(24)
+    torch.testing.assert_close(
+        our_logits(model, ids), hf_logits(hf, ids), atol=FP32_LOGIT_TOL, rtol=0
+    )
+
+
+def test_gguf_missing_field_names_it(tmp_path: Path) -> None:
+    from kvabi.models import load_gguf
+
+    hf = make_hf("default-pattern")
+    write_gemma3_gguf(tmp_path / "tiny.gguf", hf)
+    reader_bytes = (tmp_path / "tiny.gguf").read_bytes()
+    assert b"gemma3.attention.sliding_window" in reader_bytes
+    broken = reader_bytes.replace(
+        b"gemma3.attention.sliding_window", b"gemma3.attention.sliding_wxndow"
+    )
+    (tmp_path / "broken.gguf").write_bytes(broken)
+    with pytest.raises(ValueError, match="'gemma3.attention.sliding_window' is missing"):
+        load_gguf(tmp_path / "broken.gguf", progress=False)
