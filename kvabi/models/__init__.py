@@ -1,4 +1,4 @@
-"""Llama-family models (Llama 2/3, SmolLM2, Mistral, Qwen2), Gemma 4 text and Laguna: config,
+"""Llama-family models (Llama 2/3, SmolLM2, Mistral, Qwen2), Gemma 3 and 4 text and Laguna: config,
 weights, tokenizer.
 
 `load_model(name_or_path)` gives a `LoadedModel(config, model, tokenizer)`; the model's forward
@@ -8,6 +8,8 @@ takes flat token ids and positions and delegates attention per layer to an `Atte
 from kvabi.models.attention import AttentionFn, ContiguousAttention
 from kvabi.models.checkpoint import Checkpoint
 from kvabi.models.config import ModelConfig, RopeScaling
+from kvabi.models.gemma3 import Gemma3Model
+from kvabi.models.gemma3_config import Gemma3Config
 from kvabi.models.gemma4 import Gemma4Model
 from kvabi.models.gemma4_config import Gemma4Config
 from kvabi.models.gguf_loader import load_gguf
@@ -29,6 +31,8 @@ __all__ = [
     "AttentionFn",
     "Checkpoint",
     "ContiguousAttention",
+    "Gemma3Config",
+    "Gemma3Model",
     "Gemma4Config",
     "Gemma4Model",
     "LagunaConfig",

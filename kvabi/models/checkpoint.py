@@ -8,16 +8,19 @@ import torch
 
 from kvabi.models.config import ModelConfig
 from kvabi.models.cpu_kernels import has_native_bf16
+from kvabi.models.gemma3 import Gemma3Model
+from kvabi.models.gemma3_config import Gemma3Config
 from kvabi.models.gemma4 import Gemma4Model
 from kvabi.models.gemma4_config import Gemma4Config
 from kvabi.models.laguna import LagunaModel
 from kvabi.models.laguna_config import LagunaConfig
 from kvabi.models.llama import LlamaModel
 
-AnyConfig = ModelConfig | Gemma4Config | LagunaConfig
-AnyModel = LlamaModel | Gemma4Model | LagunaModel
+AnyConfig = ModelConfig | Gemma3Config | Gemma4Config | LagunaConfig
+AnyModel = LlamaModel | Gemma3Model | Gemma4Model | LagunaModel
 # architecture -> model class; every other architecture is a LlamaModel
-MODEL_CLASSES: dict[str, type[Gemma4Model] | type[LagunaModel]] = {
+MODEL_CLASSES: dict[str, type[Gemma3Model] | type[Gemma4Model] | type[LagunaModel]] = {
+    "gemma3": Gemma3Model,
     "gemma4": Gemma4Model,
     "laguna": LagunaModel,
 }

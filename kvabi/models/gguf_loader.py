@@ -3,7 +3,9 @@
 Each tensor is dequantised by its own type (a "Q4_1" file also holds Q6_K/Q8_0/F32 tensors).
 For archs whose converter permuted Q/K rows so llama.cpp's adjacent-pair RoPE matches HF's
 rotate_half (llama, and Mistral converted as llama), the permutation is undone: HF row
-h*d + a*d/2 + i is GGUF row h*d + 2i + a. NEOX archs (qwen2) were not permuted.
+h*d + a*d/2 + i is GGUF row h*d + 2i + a. NEOX archs (qwen2, gemma3) were not permuted.
+Gemma's converter stores every RMSNorm weight as w + 1 (llama.cpp multiplies by the weight, HF
+by 1 + weight): the loader subtracts the 1 again, as transformers' own GGUF loader does.
 Reference: the kv-layouts notes, section 6 (gguf-py -> HF-equivalent Llama weights).
 """
 
@@ -21,10 +23,13 @@ from tqdm import tqdm
 
 from kvabi.models.checkpoint import Checkpoint, parse_dtype
 from kvabi.models.config import ModelConfig, RopeScaling
+from kvabi.models.gemma3_config import FULL, SLIDING, Gemma3Config, default_layer_types
 from kvabi.models.rope import fit_llama3_scaling
 
 # architecture -> whether convert_hf_to_gguf permuted the Q/K rows
-ARCH_QK_PERMUTED = {"llama": True, "qwen2": False}
+ARCH_QK_PERMUTED = {"llama": True, "qwen2": False, "gemma3": False}
+# architectures whose norm weights the converter stored as w + 1
+NORM_PLUS_ONE = ("gemma3",)
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "embed_tokens.weight",
@@ -42,6 +47,16 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's four sandwich norms and q/k norms; its ffn_norm is the pre-feedforward norm
+_GEMMA3_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_ARCH_BLOCK_NAMES = {"gemma3": _GEMMA3_BLOCK_NAMES}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"
 _MISSING = object()
@@ -76,8 +91,10 @@ def architecture(reader: GGUFReader) -> str:
     return arch
 
 
-def read_config(reader: GGUFReader) -> ModelConfig:
+def read_config(reader: GGUFReader) -> ModelConfig | Gemma3Config:
     arch = architecture(reader)
+    if arch == "gemma3":
+        return read_gemma3_config(reader)
     names = {t.name for t in reader.tensors}
 
     def meta(key: str, default: Any = _MISSING) -> Any:
@@ -111,10 +128,59 @@ def read_config(reader: GGUFReader) -> ModelConfig:
     )
 
 
-def _end_of_generation_ids(reader: GGUFReader) -> tuple[int, ...]:
-    """EOS, plus end-of-turn / end-of-message where given: llama.cpp stops on all of them."""
+def read_gemma3_config(reader: GGUFReader) -> Gemma3Config:
+    """gemma3.* metadata -> Gemma3Config, as transformers' GGUF loader reads it. Not in the file
+    and taken as both transformers and llama.cpp do: every 6th layer full (unless the file has a
+    per-layer `attention.sliding_window_pattern`), sliding RoPE theta 10000, and scores scaled
+    by key_length ** -0.5 (llama.cpp's choice for all sizes but 27B; 256 on 270M either way)."""
+
+    def meta(key: str, default: Any = _MISSING) -> Any:
+        return metadata(reader, f"gemma3.{key}", default)
+
+    num_layers, head_dim = meta("block_count"), meta("attention.key_length")
+    if meta("attention.value_length", head_dim) != head_dim:
+        raise ValueError("gemma3.attention.value_length: must equal attention.key_length")
+    theta = float(meta("rope.freq_base", 1_000_000.0))
+    layer_types = _gemma3_layer_types(meta("attention.sliding_window_pattern", None), num_layers)
+    return Gemma3Config(
+        vocab_size=_vocab_size(reader),
+        hidden_size=meta("embedding_length"),
+        intermediate_size=meta("feed_forward_length"),
+        num_layers=num_layers,
+        num_heads=meta("attention.head_count"),
+        num_kv_heads=_uniform(meta("attention.head_count_kv"), "head_count_kv"),
+        head_dim=head_dim,
+        layer_types=layer_types,
+        sliding_window=meta("attention.sliding_window") if SLIDING in layer_types else None,
+        query_pre_attn_scalar=float(head_dim),
+        rope_theta=theta,
+        rope_scaling=_rope_scaling(reader, "gemma3", head_dim, theta),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=meta("context_length"),
+        tie_word_embeddings="output.weight" not in {t.name for t in reader.tensors},
+        final_logit_softcapping=meta("final_logit_softcapping", None),
+        bos_token_id=metadata(reader, "tokenizer.ggml.bos_token_id", None),
+        eos_token_ids=_end_of_generation_ids(reader, ("<end_of_turn>",)),
+    )
+
+
+def _gemma3_layer_types(pattern: list[bool] | None, num_layers: int) -> tuple[str, ...]:
+    if pattern is None:
+        return default_layer_types(num_layers)
+    if len(pattern) != num_layers:
+        raise ValueError(f"gemma3.attention.sliding_window_pattern: {len(pattern)} entries")
+    return tuple(SLIDING if is_sliding else FULL for is_sliding in pattern)
+
+
+def _end_of_generation_ids(reader: GGUFReader, end_tokens: tuple[str, ...] = ()) -> tuple[int, ...]:
+    """EOS, plus end-of-turn / end-of-message where given: llama.cpp stops on all of them.
+    `end_tokens`: the architecture's end-of-turn spellings, for files without eot_token_id
+    (Gemma's `<end_of_turn>`, an EOS of its HF generation_config)."""
     keys = ("eos_token_id", "eot_token_id", "eom_token_id")
-    ids = (metadata(reader, f"tokenizer.ggml.{key}", None) for key in keys)
+    ids = [metadata(reader, f"tokenizer.ggml.{key}", None) for key in keys]
+    if end_tokens:
+        tokens = metadata(reader, "tokenizer.ggml.tokens", [])
+        ids += [tokens.index(t) for t in end_tokens if t in tokens]
     return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
@@ -145,15 +211,16 @@ def _rope_scaling(reader: GGUFReader, arch: str, head_dim: int, theta: float) ->
     raise ValueError(f"{arch}.rope.scaling.type: {kind!r} not supported; supported: none, linear")
 
 
-def hf_name(gguf_name: str) -> str:
-    """GGUF tensor name -> `LlamaModel` parameter name."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
+    """GGUF tensor name -> the model's parameter name (`LlamaModel`'s, or `arch`'s own)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    block_names = _ARCH_BLOCK_NAMES.get(arch, _BLOCK_NAMES)
     match = _BLOCK_RE.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _BLOCK_NAMES:
-        raise ValueError(f"GGUF tensor {gguf_name!r} has no Llama-family counterpart")
+    if match is None or match.group(2) not in block_names:
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no {arch} counterpart")
     layer, kind, suffix = match.groups()
-    return f"layers.{layer}.{_BLOCK_NAMES[kind]}.{suffix}"
+    return f"layers.{layer}.{block_names[kind]}.{suffix}"
 
 
 def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -178,10 +245,11 @@ def load_gguf(
     """Read a GGUF into a `Checkpoint` whose weights equal the HF model the file came from."""
     reader = source if isinstance(source, GGUFReader) else open_gguf(source)
     config = read_config(reader)
+    arch = config.architecture
     torch_dtype = parse_dtype(dtype)
     # Q/K row permutation to undo: tensor kind -> number of heads it holds
     heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
-    if not ARCH_QK_PERMUTED[config.architecture]:
+    if not ARCH_QK_PERMUTED[arch]:
         heads = {}
     state_dict: dict[str, torch.Tensor] = {}
     tensors = [t for t in reader.tensors if t.name != _ROPE_FREQS]
@@ -190,5 +258,7 @@ def load_gguf(
         kind = tensor.name.split(".")[-2]
         if kind in heads:
             weight = unpermute_qk(weight, heads[kind])
-        state_dict[hf_name(tensor.name)] = weight.to(torch_dtype)
+        if arch in NORM_PLUS_ONE and tensor.name.endswith("norm.weight"):
+            weight = weight - 1.0
+        state_dict[hf_name(tensor.name, arch)] = weight.to(torch_dtype)
     return Checkpoint(config, state_dict)

@@ -18,11 +18,14 @@ from tqdm import tqdm
 from kvabi.models.checkpoint import AnyConfig, Checkpoint, parse_dtype
 from kvabi.models.config import ModelConfig, RopeScaling, eos_ids, token_ids
 from kvabi.models.expert_weights import merge_expert_weights
+from kvabi.models.gemma3_config import Gemma3Config, gemma3_weight_name, read_gemma3_config
 from kvabi.models.gemma4_config import Gemma4Config, gemma4_weight_name, read_gemma4_config
 from kvabi.models.laguna_config import LagunaConfig, laguna_weight_name, read_laguna_config
 
 # model_type -> its own config reader; the rest are the Llama family, read here
 OWN_READERS = {
+    "gemma3": read_gemma3_config,
+    "gemma3_text": read_gemma3_config,
     "gemma4": read_gemma4_config,
     "gemma4_text": read_gemma4_config,
     "laguna": read_laguna_config,
@@ -119,6 +122,8 @@ def load_hf_config(folder: str | Path) -> AnyConfig:
 def _our_name(hf_name: str, config: AnyConfig) -> str | None:
     if hf_name.endswith("rotary_emb.inv_freq"):
         return None
+    if isinstance(config, Gemma3Config):
+        return gemma3_weight_name(config, hf_name)
     if isinstance(config, Gemma4Config):
         return gemma4_weight_name(config, hf_name)
     if isinstance(config, LagunaConfig):
@@ -129,7 +134,8 @@ def _our_name(hf_name: str, config: AnyConfig) -> str | None:
 def load_hf(
     folder: str | Path, dtype: str | torch.dtype = "fp32", progress: bool = True
 ) -> Checkpoint:
-    """Read an HF Llama/Mistral/Qwen2/Gemma 4/Laguna folder into a `Checkpoint` (fp32/bf16)."""
+    """Read an HF Llama/Mistral/Qwen2/Gemma 3/Gemma 4/Laguna folder into a `Checkpoint`
+    (fp32/bf16)."""
     from safetensors import safe_open
 
     config = load_hf_config(folder)

