@@ -11,7 +11,7 @@ LLAMA_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
   -DGGML_AVX512_BF16=$(call has_flag,avx512_bf16) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
   -DGGML_AMX_BF16=OFF
 
-.PHONY: run test soak lint bench clean
+.PHONY: run test soak big lint bench clean
 
 .venv/.installed: pyproject.toml
 	python3 -m venv .venv
@@ -35,10 +35,14 @@ run: .venv/.installed
 
 test: .venv/.installed
 	$(PY) -m ruff check kvabi tests
-	$(PY) -m pytest -q --durations=15 -m "not soak"
+	$(PY) -m pytest -q --durations=15 -m "not soak and not big"
 
 soak: .venv/.installed
 	$(PY) -m pytest -q -m soak
+
+# Real weights over 100 MB against transformers' own load (Gemma 3 270M: ~5 minutes).
+big: .venv/.installed
+	$(PY) -m pytest -q --durations=5 -m big
 
 bench: .venv/.installed
 	$(PY) -m kvabi.cli.main bench convert --quick

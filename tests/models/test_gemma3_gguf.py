@@ -12,6 +12,9 @@ from typing import Any
 import pytest
 import torch
 
+from kvabi.cache.kv_cache import NULL_BLOCK
+from kvabi.engine.engine import EngineConfig, LLMEngine
+from kvabi.engine.sampling_params import SamplingParams
 from kvabi.models import ContiguousAttention, Gemma3Model, LoadedModel, load_model
 from kvabi.models.registry import ModelNotFoundError, bundled_model_path
 from tests.conftest import assert_greedy_agrees
@@ -19,6 +22,7 @@ from tests.models.hf_reference import hf_greedy
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
+pytestmark = [pytest.mark.slow, pytest.mark.big]
 NAME = "gemma3-270m"
 # fp32 logit tolerance: same dequantised weights, attention kernels that differ by a few ulps
 # per layer (HF's SDPA over a mask tensor, ours over ContiguousAttention's), through 18 layers
@@ -148,6 +152,27 @@ def test_long_prompt_logits_match_and_need_the_window(ours: LoadedModel, hf: Any
     "prompt", [PROMPTS[0], PROMPTS[1], long_prompt()], ids=["capital", "haiku", "long"]
 )
 def test_greedy_32_tokens_match_transformers(ours: LoadedModel, hf: Any, prompt: str) -> None:
+    """On ContiguousAttention, and served by the paged engine (block groups: 15 sliding layers
+    in runs of 3 beside the 3 full ones, one pool; prompts in chunks of 256 tokens, so the
+    long one's sliding tables release the blocks their window left)."""
     ids = torch.tensor(ours.tokenizer.encode(prompt))
     want, margins = hf_greedy(hf, ids, 32)
     assert_greedy_agrees(our_greedy(ours.model, ids, 32), want, margins, LOGIT_TOL)
+    engine = LLMEngine(ours, EngineConfig(max_num_batched_tokens=256))
+    assert [(len(g.layer_ids), g.window) for g in engine.cache.groups] == [(3, 512)] * 5 + [(3, 0)]
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    request_id = engine.add_request(ids.tolist(), params)
+    (seq,) = engine.requests[request_id]
+    got: list[int] = []
+    held = released = 0  # the sliding group's blocks: most held at once, most released
+    while engine.has_unfinished():
+        for out in engine.step():
+            got += out.outputs[0].token_ids
+        if seq.block_tables:  # (freed once it finishes)
+            table = seq.block_tables[0]
+            released = max(released, sum(b == NULL_BLOCK for b in table))
+            held = max(held, len(table) - sum(b == NULL_BLOCK for b in table))
+    assert_greedy_agrees(got, want, margins, LOGIT_TOL)
+    # the window's 511 keys plus a chunk of 256 new tokens, in blocks of 16, and one more
+    assert held <= -(-(511 + 256) // 16) + 1
+    assert (released > 0) == (len(ids) > 512 + 16)  # the long prompt only
