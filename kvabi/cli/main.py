@@ -118,6 +118,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from kvabi.bench.memory_bench import run as run_memory
 
         run_memory(args.quick, args.json)
+    elif args.what == "windows":
+        from kvabi.bench.window_bench import run as run_windows
+
+        run_windows(args.quick, args.json)
     elif args.what == "disagg":
         from kvabi.bench.disagg_bench import run as run_disagg
 
@@ -160,7 +164,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks, as ratios against a same-run baseline")
     p.add_argument(
         "what",
-        choices=["convert", "throughput", "serve", "prefix", "memory", "disagg", "vllm", "decode"],
+        choices=[
+            "convert",
+            "throughput",
+            "serve",
+            "prefix",
+            "memory",
+            "windows",
+            "disagg",
+            "vllm",
+            "decode",
+        ],
     )
 
     p.add_argument(
