@@ -29,8 +29,14 @@ QUICK = (4, 2048, 16)  # requests, prompt tokens, output tokens
 FULL = (4, 8192, 64)
 
 
-def run(quick: bool, json_path: str | None, model: str | None = None) -> dict[str, Any]:
-    num_requests, prompt_len, out_len = QUICK if quick else FULL
+def run(
+    quick: bool,
+    json_path: str | None,
+    model: str | None = None,
+    sizes: tuple[int, int, int] | None = None,
+) -> dict[str, Any]:
+    """`sizes`: (requests, prompt tokens, output tokens), else QUICK or FULL."""
+    num_requests, prompt_len, out_len = sizes or (QUICK if quick else FULL)
     llm = LLM(model or MODEL, progress=False, max_num_batched_tokens=1024)
     engine = llm.engine
     rng = random.Random(0)
@@ -53,7 +59,7 @@ def run(quick: bool, json_path: str | None, model: str | None = None) -> dict[st
         "output_tokens": out_len,
         "steps": steps,
         "seconds": time.perf_counter() - began,
-        "groups": [(len(g.layer_ids), g.window) for g in engine.cache.groups],
+        "groups": [[len(g.layer_ids), g.window] for g in engine.cache.groups],
         "held_peak_bytes": held_peak,
         "windowless_peak_bytes": full_peak,
         "peak_windowless_vs_held_ratio": full_peak / held_peak,
