@@ -67,3 +67,28 @@ class ChatTemplate:
             add_generation_prompt=add_generation_prompt,
             **variables,
         )
+
+
+# Gemma's turn format, for GGUFs of arch gemma3 that carry no `tokenizer.chat_template` (the
+# bundled gemma3-270m): `<start_of_turn>{user|model}\n{text}<end_of_turn>\n`, the assistant
+# role written `model`, a system message folded into the first user turn, and a generation
+# prompt of `<start_of_turn>model\n`. Written here from the format, not copied.
+GEMMA_TURNS = (
+    "{{ bos_token }}"
+    "{% set system = '' %}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set system = messages[0]['content'] ~ '\n\n' %}"
+    "{% set messages = messages[1:] %}"
+    "{% endif %}"
+    "{% for m in messages %}"
+    "{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+    "{% if role not in ('user', 'model') %}"
+    "{{ raise_exception('Gemma turns: roles are system (first), user and assistant') }}"
+    "{% endif %}"
+    "<start_of_turn>{{ role }}\n{{ (system if loop.first else '') ~ m['content'] | trim }}"
+    "<end_of_turn>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+DEFAULT_TEMPLATES = {"gemma3": GEMMA_TURNS}  # GGUF arch -> template when the file has none
+

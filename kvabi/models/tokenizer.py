@@ -19,7 +19,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers,
 from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
 
-from kvabi.models.chat_template import ChatTemplate
+from kvabi.models.chat_template import DEFAULT_TEMPLATES, ChatTemplate
 from kvabi.models.gguf_loader import metadata, open_gguf
 
 _LLAMA3_SPLIT = (
@@ -217,7 +217,10 @@ class Tokenizer:
         bos_id = ids["bos_token"]
         if metadata(reader, "tokenizer.ggml.add_bos_token", False) and bos_id is not None:
             backend.post_processor = _bos_processor(tokens[bos_id], bos_id)
-        return cls(backend, special, metadata(reader, "tokenizer.chat_template", None))
+        template = metadata(reader, "tokenizer.chat_template", None)
+        if template is None:
+            template = DEFAULT_TEMPLATES.get(metadata(reader, "general.architecture", ""))
+        return cls(backend, special, template)
 
     @classmethod
     def from_pretrained(cls, folder: str | Path) -> Tokenizer:

@@ -176,3 +176,24 @@ def test_greedy_32_tokens_match_transformers(ours: LoadedModel, hf: Any, prompt:
     # the window's 511 keys plus a chunk of 256 new tokens, in blocks of 16, and one more
     assert held <= -(-(511 + 256) // 16) + 1
     assert (released > 0) == (len(ids) > 512 + 16)  # the long prompt only
+
+
+def test_chat_renders_gemma_turns_as_special_tokens(ours: LoadedModel) -> None:
+    """The GGUF has no chat template: Gemma's turn format stands in, its markers encode as the
+    vocabulary's own special tokens (<start_of_turn> 105, <end_of_turn> 106, which the engine
+    stops at), and the engine serves it. The bundled 270M is the base model, not the
+    instruction-tuned one, so what it answers is a plain continuation (not asserted)."""
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = ours.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    user = ours.tokenizer.encode("user\nWhat is the capital of France?", add_special_tokens=False)
+    model = ours.tokenizer.encode("model\n", add_special_tokens=False)
+    assert ids == [2, 105, *user, 106, *ours.tokenizer.encode("\n", add_special_tokens=False),
+                   105, *model]  # fmt: skip
+    assert 106 in ours.stop_token_ids
+    engine = LLMEngine(ours, EngineConfig())
+    engine.add_request(ids, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.outputs[0].token_ids
+    assert len(tokens) == 8
