@@ -19,6 +19,25 @@ def config_error(field_name: str, message: str) -> ValueError:
     return ValueError(f"{field_name}: {message}")
 
 
+def check_layer_types(
+    layer_types: tuple[str, ...],
+    num_layers: int,
+    sliding_window: int | None,
+    known: tuple[str, ...],
+    sliding: str = "sliding_attention",
+) -> None:
+    """One known type per layer, and a window > 0 set exactly when some layer slides."""
+    if len(layer_types) != num_layers:
+        raise config_error("layer_types", f"{len(layer_types)} entries for {num_layers} layers")
+    unknown = set(layer_types) - set(known)
+    if unknown:
+        raise config_error("layer_types", f"{sorted(unknown)} not in {known}")
+    if (sliding in layer_types) != (sliding_window is not None):
+        raise config_error("sliding_window", "must be set exactly when some layer slides")
+    if sliding_window is not None and sliding_window <= 0:
+        raise config_error("sliding_window", f"must be > 0, got {sliding_window}")
+
+
 def token_ids(value: int | list[int] | None) -> tuple[int, ...]:
     """An HF config's token id field (one id, a list of them, or absent) as a tuple."""
     if value is None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvabi.abi.descriptor import ATTN, LayerSpec
-from kvabi.models.config import RopeScaling, config_error, eos_ids
+from kvabi.models.config import RopeScaling, check_layer_types, config_error, eos_ids
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 GEMMA3_LAYER_TYPES = (SLIDING, FULL)
@@ -68,26 +68,15 @@ class Gemma3Config:
                 raise config_error(name, f"must be > 0, got {getattr(self, name)!r}")
         if self.num_heads % self.num_kv_heads or self.head_dim % 2:
             raise config_error("num_kv_heads", "must divide num_heads, and head_dim be even")
-        self._check_layers()
+        check_layer_types(
+            self.layer_types, self.num_layers, self.sliding_window, GEMMA3_LAYER_TYPES, SLIDING
+        )
         if self.hidden_activation not in ACTIVATIONS:
             raise config_error(
                 "hidden_activation", f"{self.hidden_activation!r} not in {ACTIVATIONS}"
             )
         if self.architecture != "gemma3":
             raise config_error("architecture", f"{self.architecture!r} is not 'gemma3'")
-
-    def _check_layers(self) -> None:
-        if len(self.layer_types) != self.num_layers:
-            raise config_error(
-                "layer_types", f"{len(self.layer_types)} entries for {self.num_layers} layers"
-            )
-        unknown = set(self.layer_types) - set(GEMMA3_LAYER_TYPES)
-        if unknown:
-            raise config_error("layer_types", f"{sorted(unknown)} not in {GEMMA3_LAYER_TYPES}")
-        if (SLIDING in self.layer_types) != (self.sliding_window is not None):
-            raise config_error("sliding_window", "must be set exactly when some layer slides")
-        if self.sliding_window is not None and self.sliding_window <= 0:
-            raise config_error("sliding_window", f"must be > 0, got {self.sliding_window}")
 
     def is_sliding(self, layer_id: int) -> bool:
         return self.layer_types[layer_id] == SLIDING

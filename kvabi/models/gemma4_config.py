@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvabi.abi.descriptor import ATTN, SHARED, LayerSpec
-from kvabi.models.config import config_error, eos_ids
+from kvabi.models.config import check_layer_types, config_error, eos_ids
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 GEMMA4_LAYER_TYPES = (SLIDING, FULL)
@@ -96,17 +96,9 @@ class Gemma4Config:
         self.kv_sharing_modes()  # raises where a shared layer type has no store layer
 
     def _check_layers(self) -> None:
-        if len(self.layer_types) != self.num_layers:
-            raise config_error(
-                "layer_types", f"{len(self.layer_types)} entries for {self.num_layers} layers"
-            )
-        unknown = set(self.layer_types) - set(GEMMA4_LAYER_TYPES)
-        if unknown:
-            raise config_error("layer_types", f"{sorted(unknown)} not in {GEMMA4_LAYER_TYPES}")
-        if (SLIDING in self.layer_types) != (self.sliding_window is not None):
-            raise config_error("sliding_window", "must be set exactly when some layer slides")
-        if self.sliding_window is not None and self.sliding_window <= 0:
-            raise config_error("sliding_window", f"must be > 0, got {self.sliding_window}")
+        check_layer_types(
+            self.layer_types, self.num_layers, self.sliding_window, GEMMA4_LAYER_TYPES, SLIDING
+        )
         for i in range(self.num_layers):
             if self.num_heads % self.layer_kv_heads(i) or self.layer_head_dim(i) % 2:
                 raise config_error(
