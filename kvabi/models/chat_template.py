@@ -91,4 +91,3 @@ GEMMA_TURNS = (
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
 DEFAULT_TEMPLATES = {"gemma3": GEMMA_TURNS}  # GGUF arch -> template when the file has none
-

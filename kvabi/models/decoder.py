@@ -2,8 +2,9 @@
 
 Built from a complete state dict without random init; `forward` is `compute_logits` over
 `hidden_states`; logits go through `lm_head`, or the input embedding when the model ties them
-(no `lm_head` parameter then). Models without fused or packed paths (Gemma 4, Laguna) keep the
-no-op `fuse_projections` / `use_kernels`; `LlamaModel` overrides them.
+(no `lm_head` parameter then), capped by `logit_softcap` where set (Gemma). Models without fused
+or packed paths (Gemma 3 and 4, Laguna) keep the no-op `fuse_projections` / `use_kernels`;
+`LlamaModel` overrides them. `TypedLayerDecoder` runs layers of named types, one RoPE table each.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kvabi.models.cpu_kernels import CpuKernels
 class Decoder(nn.Module):
     embed_tokens: nn.Embedding
     lm_head: nn.Linear | None
+    logit_softcap: float | None = None  # Gemma's final softcapping: tanh(x / cap) * cap
 
     @classmethod
     def from_state_dict(cls, config: Any, state_dict: dict[str, torch.Tensor]) -> Self:
@@ -45,7 +47,9 @@ class Decoder(nn.Module):
         raise NotImplementedError
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.logit_weight)  # [num_tokens, vocab_size]
+        logits = F.linear(hidden, self.logit_weight)  # [num_tokens, vocab_size]
+        cap = self.logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn
@@ -59,3 +63,23 @@ class Decoder(nn.Module):
     def use_kernels(self, kernels: CpuKernels | None) -> Self:
         """No fused CPU kernels."""
         return self
+
+
+class TypedLayerDecoder(Decoder):
+    """Layers of named types (`config.layer_types`: sliding, full), each type with its own RoPE
+    table in `rotary`; embeddings, then the layers, then the final norm (Gemma 3, Laguna)."""
+
+    layers: nn.ModuleList
+    norm: nn.Module
+    rotary: nn.ModuleDict
+    config: Any
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn
+    ) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> final-normed hidden [num_tokens, hidden_size]."""
+        x = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        tables = {kind: rotary(positions, x.dtype) for kind, rotary in self.rotary.items()}
+        for layer, kind in zip(self.layers, self.config.layer_types, strict=True):
+            x = layer(x, *tables[kind], attn)
+        return self.norm(x)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from kvabi.models.attention import AttentionFn
-from kvabi.models.decoder import Decoder
+from kvabi.models.decoder import TypedLayerDecoder
 from kvabi.models.gemma3_config import FULL, SLIDING, Gemma3Config
 from kvabi.models.gemma4 import Gemma4MLP, ScaledEmbedding
 from kvabi.models.rope import FrequencyRope, apply_rope, scaled_inv_freq
@@ -84,7 +84,7 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(h)
 
 
-class Gemma3Model(Decoder):
+class Gemma3Model(TypedLayerDecoder):
     """`forward(input_ids, positions, attn) -> logits [num_tokens, vocab_size]`, as `LlamaModel`.
 
     With tied embeddings (Gemma's default) there is no `lm_head` parameter.
@@ -93,6 +93,7 @@ class Gemma3Model(Decoder):
     def __init__(self, config: Gemma3Config) -> None:
         super().__init__()
         self.config = config
+        self.logit_softcap = config.final_logit_softcapping
         hidden = config.hidden_size
         self.embed_tokens = ScaledEmbedding(config.vocab_size, hidden, hidden**0.5)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_layers))
@@ -109,18 +110,3 @@ class Gemma3Model(Decoder):
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False)
-
-    def hidden_states(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn
-    ) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> final-normed hidden [num_tokens, hidden_size]."""
-        x = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        tables = {kind: rotary(positions, x.dtype) for kind, rotary in self.rotary.items()}
-        for i, layer in enumerate(self.layers):
-            x = layer(x, *tables[self.config.layer_types[i]], attn)
-        return self.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super().compute_logits(hidden)  # [num_tokens, vocab_size]
-        cap = self.config.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -184,6 +184,7 @@ class Gemma4Model(Decoder):
     def __init__(self, config: Gemma4Config) -> None:
         super().__init__()
         self.config = config
+        self.logit_softcap = config.final_logit_softcapping
         hidden = config.hidden_size
         self.embed_tokens = ScaledEmbedding(config.vocab_size, hidden, hidden**0.5)
         self.layers = nn.ModuleList(Gemma4DecoderLayer(config, i) for i in range(config.num_layers))
@@ -233,8 +234,3 @@ class Gemma4Model(Decoder):
             cos, sin = tables[self.config.layer_types[i]]
             x = layer(x, None if per_layer is None else per_layer[:, i], cos, sin, attn)
         return self.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super().compute_logits(hidden)  # [num_tokens, vocab_size]
-        cap = self.config.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap

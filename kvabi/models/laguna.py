@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvabi.models.attention import AttentionFn
-from kvabi.models.decoder import Decoder
+from kvabi.models.decoder import TypedLayerDecoder
 from kvabi.models.experts import Experts
 from kvabi.models.laguna_config import FULL, SLIDING, LagunaConfig
 from kvabi.models.layer_rope import apply_partial_rope, partial_inv_freq
@@ -125,7 +125,7 @@ class LagunaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LagunaModel(Decoder):
+class LagunaModel(TypedLayerDecoder):
     """`forward(input_ids, positions, attn) -> logits [num_tokens, vocab_size]`, as `LlamaModel`."""
 
     def __init__(self, config: LagunaConfig) -> None:
@@ -146,13 +146,3 @@ class LagunaModel(Decoder):
         return FrequencyRope(
             partial_inv_freq(self.config.head_dim, rope.theta, rope.partial_rotary_factor)
         )
-
-    def hidden_states(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn
-    ) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> final-normed hidden [num_tokens, hidden_size]."""
-        x = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        tables = {kind: rotary(positions, x.dtype) for kind, rotary in self.rotary.items()}
-        for i, layer in enumerate(self.layers):
-            x = layer(x, *tables[self.config.layer_types[i]], attn)
-        return self.norm(x)
