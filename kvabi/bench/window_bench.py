@@ -46,10 +46,11 @@ def run(
     for i in range(num_requests):
         engine.add_request([corpus[i]] + corpus[1:], params)  # no prefix shared between them
     held_sum = full_sum = held_peak = full_peak = steps = 0
+    sizes = _block_bytes(engine)
     began = time.perf_counter()
     while engine.has_unfinished():
         engine.step()
-        held, full = _held_bytes(engine), _windowless_bytes(engine)
+        held, full = _held_bytes(engine, sizes), _windowless_bytes(engine, sizes)
         held_sum, full_sum, steps = held_sum + held, full_sum + full, steps + 1
         held_peak, full_peak = max(held_peak, held), max(full_peak, full)
     figures = {
@@ -78,8 +79,7 @@ def _block_bytes(engine: LLMEngine) -> list[int]:
     ]
 
 
-def _held_bytes(engine: LLMEngine) -> int:
-    sizes = _block_bytes(engine)
+def _held_bytes(engine: LLMEngine, sizes: list[int]) -> int:
     blocks = {
         (g.pool_id, b)
         for s in engine.scheduler.running
@@ -90,9 +90,9 @@ def _held_bytes(engine: LLMEngine) -> int:
     return sum(sizes[p] for p, _ in blocks)
 
 
-def _windowless_bytes(engine: LLMEngine) -> int:
+def _windowless_bytes(engine: LLMEngine, sizes: list[int]) -> int:
     """The running requests' computed tokens in every KV-owning layer, in whole blocks."""
-    sizes, storages = _block_bytes(engine), engine.cache.storages
+    storages = engine.cache.storages
     per_block = sum(
         len(g.layer_ids) * sizes[g.pool_id] // len(storages[g.pool_id].k)
         for g in engine.cache.groups
