@@ -52,3 +52,10 @@ def layer_groups(model: ModelSpec) -> tuple[int, ...]:
     return tuple(
         of.get(x.shares if x.kind == SHARED else i, -1) for i, x in enumerate(model.layers)
     )
+
+
+def window_start(window: int, num_tokens: int) -> int:
+    """The first token a layer of `window` (0: full attention) still needs once a sequence
+    holds `num_tokens` tokens: the next query, at position num_tokens, attends to keys
+    num_tokens - window + 1 .. num_tokens (docs/ABI.md 2.5)."""
+    return max(num_tokens - window + 1, 0) if window else 0

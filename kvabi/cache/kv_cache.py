@@ -27,10 +27,17 @@ from kvabi.abi.buffers import CacheBuffers, layer_buffer_specs
 from kvabi.abi.descriptor import Descriptor
 from kvabi.cache.block_codec import stack_blocks
 from kvabi.cache.block_events import BlockEventSink
-from kvabi.cache.block_groups import BlockGroup, plan_groups
+from kvabi.cache.block_groups import plan_groups
 from kvabi.cache.block_hasher import BlockHasher, BlockKey
 from kvabi.cache.block_pool import BlockPool
 from kvabi.cache.cache_stats import CacheStats, flat_stats
+from kvabi.cache.group_blocks import (
+    export_groups,
+    group_key,
+    held_tiered,
+    import_groups,
+    match_groups,
+)
 from kvabi.cache.kv_storage import KVStorage
 from kvabi.cache.tier_config import TierConfig
 from kvabi.cache.tiered_cache import TieredCache
@@ -111,8 +118,9 @@ class KVCache:
         `prefix_caching` (EngineConfig checks).
 
         A hybrid model (sliding, shared or KV-less layers) gets several block groups over one
-        pool per layer geometry (kvabi/cache/block_groups.py); the block API below (tiers,
-        export, import) serves one-group caches only, for now, and says so."""
+        pool per layer geometry (kvabi/cache/block_groups.py); its prefix match, held, export
+        and import go per group (kvabi/cache/group_blocks.py). Tiers and per-layer export
+        serve one-group caches only, for now, and say so."""
         self.desc, self.block_size = desc, desc.layout.block_size
         self.is_prefix_caching = prefix_caching
         self.plan = plan_groups(desc.model)
@@ -126,12 +134,13 @@ class KVCache:
         ]
         self.storage = self.storages[0]
         self.hasher = BlockHasher(desc.model.compat_digest(), self.block_size)
-        if tiers.is_enabled and not self.plan.is_uniform:
+        if tiers.is_enabled and len(self.storages) > 1:
             raise ValueError(
-                "tiers: a hybrid model's cache (several block groups) cannot use tiers yet"
+                "tiers: a hybrid model's cache over several block pools (layers of different "
+                "geometries) cannot use tiers yet"
             )
         self.tiers = TieredCache.build(tiers, self.storage) if tiers.is_enabled else None
-        write_down = self.tiers.write_down if self.tiers is not None else None
+        write_down = self._write_down if self.tiers is not None else None
         event_group = next((g.group_id for g in self.groups if g.window == 0), 0)
         event_pool = self.groups[event_group].pool_id
         self.pools = [
@@ -161,8 +170,8 @@ class KVCache:
         return self.storages[self.groups[group_id].pool_id], slot
 
     def _require_one_group(self, what: str) -> None:
-        if len(self.groups) > 1:
-            raise ValueError(f"{what}: a hybrid model's cache (several block groups) cannot yet")
+        if not self.plan.is_uniform:
+            raise ValueError(f"{what}: a hybrid model's cache (block groups) cannot yet")
 
     # ---- the index of cached blocks (the scheduler's prefix match) ----
 
@@ -205,22 +214,29 @@ class KVCache:
                 pool.cache_block(block_id, key, group_id)
 
     def demote(self, hashes: Sequence[bytes]) -> None:
-        """An idle session's blocks (head first): write down the pooled ones some tier lacks
-        and put them all first in the pool's eviction order."""
-        block_ids = self._pooled_ids(hashes)
-        if self.tiers is not None:
-            keys = [self.pool.keys[i] for i in block_ids]
-            todo = self.tiers.lacking(keys)
-            if todo:
-                self.tiers.write_down([block_ids[j] for j in todo], [keys[j] for j in todo])
-        self.pool.demote(block_ids)
+        """An idle session's blocks (head first, every group's): write down the pooled ones
+        some tier lacks and put them all first in their pool's eviction order."""
+        for pool_id, pool in enumerate(self.pools):
+            block_ids = [
+                b
+                for h in hashes
+                for g in self.groups
+                if g.pool_id == pool_id and (b := self.cached_in(g.group_id, h)) is not None
+            ]
+            if self.tiers is not None:
+                keys = [self._tier_key(pool.keys[i], pool.groups[i]) for i in block_ids]
+                todo = self.tiers.lacking(keys)
+                if todo:
+                    self.tiers.write_down([block_ids[j] for j in todo], [keys[j] for j in todo])
+            pool.demote(block_ids)
 
     # ---- the block API ----
 
     def held(self, keys: Sequence[BlockKey]) -> int:
         """How many leading blocks of `keys` the pool holds, after loading the run that follows
         its pooled prefix from the tiers (verified; loaded blocks are cached, unreferenced)."""
-        self._require_one_group("held")
+        if not self.plan.is_uniform:
+            return held_tiered(self, keys)
         n = self.num_pooled([k.block_hash for k in keys])
         if self.tiers is None or n == len(keys):
             return n
@@ -236,7 +252,8 @@ class KVCache:
     ) -> KVPayload:
         """A copy of the prompt's pooled blocks from `start_token` (a block boundary) up to
         the first one the pool lacks, in this cache's layout."""
-        self._require_one_group("export")
+        if not self.plan.is_uniform:
+            return export_groups(self, token_ids, cache_salt, start_token)
         hashes = self.hasher.hashes(token_ids, cache_salt)
         first = start_token // self.block_size
         num_blocks = max(self.num_pooled(hashes) - first, 0)
@@ -265,7 +282,8 @@ class KVCache:
         them); blocks the pool already holds are not placed twice."""
         if not self.is_prefix_caching:
             raise ValueError("importing blocks needs the prefix cache (enable_prefix_caching)")
-        self._require_one_group("import_blocks")
+        if not self.plan.is_uniform:
+            return import_groups(self, token_ids, cache_salt, payload)
         bs, hashes = self.block_size, self.hasher.hashes(token_ids, cache_salt)
         held = self.num_pooled(hashes)
         first, last = payload.start_token // bs, min(payload.end_token // bs, len(hashes))
@@ -294,6 +312,16 @@ class KVCache:
         if self.tiers is not None:
             self.tiers.close()
 
+    def _tier_key(self, key: BlockKey, group_id: int) -> BlockKey:
+        """A block's key in the tiers: its own, or, in a hybrid cache, its group's."""
+        return key if self.plan.is_uniform else group_key(key, group_id)
+
+    def _write_down(self, block_ids: list[int], keys: list[BlockKey]) -> None:
+        """The pool's hook for evicted blocks (one pool when there are tiers)."""
+        groups = self.pools[0].groups  # a block evicted from the index keeps its group here
+        tier_keys = [self._tier_key(k, groups[b]) for b, k in zip(block_ids, keys, strict=True)]
+        self.tiers.write_down(block_ids, tier_keys)
+
     def _pooled_ids(self, hashes: Sequence[bytes]) -> list[int]:
         """The pool blocks still holding any of these hashes, in the given order."""
         found = (self.pool.cached_block(h) for h in hashes)
@@ -318,34 +346,3 @@ class KVCache:
             return sum(self.pool.cache_block(b, k) for b, k in zip(targets, keys, strict=True))
         finally:
             self.pool.free(pooled + targets)
-
-
-def match_groups(cache: KVCache, hashes: Sequence[bytes], num_tokens: int) -> MatchResult:
-    """`KVCache.match` for several block groups: the longest run every full-attention group
-    holds, shortened until every sliding group holds the blocks its window needs there."""
-    bs, groups = cache.block_size, cache.groups
-    full = [g.group_id for g in groups if g.window == 0]
-    n = len(hashes)
-    for g in full:
-        n = next((i for i in range(n) if cache.cached_in(g, hashes[i]) is None), n)
-    for h in range(n, 0, -1):
-        num_cached = min(h * bs, num_tokens - 1)
-        if num_cached <= 0:
-            break
-        end = -(-num_cached // bs)
-        tables = [_window_blocks(cache, g, hashes, num_cached, end) for g in groups]
-        if all(t is not None for t in tables):
-            return MatchResult(num_cached, tuple(tables))  # type: ignore[arg-type]
-    return NO_MATCH
-
-
-def _window_blocks(
-    cache: KVCache, group: BlockGroup, hashes: Sequence[bytes], num_cached: int, end: int
-) -> tuple[int, ...] | None:
-    """The group's blocks 0 .. end-1 for a hit of `num_cached` tokens (None: one it needs is
-    missing): the next query, at position num_cached, sees keys from num_cached - window + 1."""
-    first = max(num_cached - group.window + 1, 0) // cache.block_size if group.window else 0
-    found = [cache.cached_in(group.group_id, h) for h in hashes[first:end]]
-    if any(b is None for b in found):
-        return None
-    return (NULL_BLOCK,) * first + tuple(found)  # type: ignore[return-value]

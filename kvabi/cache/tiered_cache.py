@@ -72,6 +72,11 @@ class TieredCache:
         held = [t.contains_many([k.block_hash for k in keys]) for t in self.tiers]
         return [j for j in range(len(keys)) if not all(h[j] for h in held)]
 
+    def holds(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Per key, whether some tier holds its block (presence only: nothing is read)."""
+        present = self._present([k.block_hash for k in keys]) if self.tiers else []
+        return [any(j in p for p in present) for j in range(len(keys))]
+
     def fetch(self, keys: Sequence[BlockKey], max_blocks: int | None = None) -> list[CacheBuffers]:
         """The verified blocks of the leading run of `keys` some tier holds (at most
         `max_blocks`), each from the first tier holding it, in order."""

@@ -93,6 +93,8 @@ class PrefillRole:
         self._loop: asyncio.AbstractEventLoop | None = None
         hook = engine.engine.hooks.on_prompt_layer
         self._feeds = hook if isinstance(hook, PromptFeeds) else None  # None: no streaming
+        if not engine.engine.cache.plan.is_uniform:  # per-layer export is one group's only
+            self._feeds = None
 
     def start(self) -> None:
         """Listen on the KV endpoint; call from the event loop, after the engine started."""
@@ -223,10 +225,13 @@ class DecodeRole:
         own_bs = cache.block_size
         peer_bs = client.peer_desc.layout.block_size
         start = fetch_start(held, own_bs, peer_bs)
-        sent = (len(ids) - start) // peer_bs * peer_bs  # the peer sends whole blocks of its size
+        asked = ids
+        if not cache.plan.is_uniform:  # a window's blocks hold for the end they were sent for
+            asked = ids[: fetch_start(len(ids), own_bs, peer_bs)]  # so end on both boundaries
+        sent = (len(asked) - start) // peer_bs * peer_bs  # the peer sends whole blocks of its size
         if start + sent // own_bs * own_bs <= held:  # of which we place whole blocks of ours
             return f"pool;tokens={held}" if held else "local;reason=short-prompt"
-        payload = await asyncio.to_thread(client.fetch, FetchRequest(ids, start, salt))
+        payload = await asyncio.to_thread(client.fetch, FetchRequest(asked, start, salt))
         desc = self.engine.engine.info.descriptor
         payload = await asyncio.to_thread(stage_payload, payload, desc)  # off the engine thread
         result = await self.engine.call(lambda e: e.cache.import_blocks(ids, salt, payload))

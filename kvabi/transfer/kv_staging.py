@@ -10,6 +10,7 @@ import math
 from kvabi.abi.buffers import CacheBuffers
 from kvabi.abi.convert import convert
 from kvabi.abi.descriptor import Descriptor
+from kvabi.abi.kv_groups import window_start
 from kvabi.transfer.transport import KVPayload
 
 
@@ -31,6 +32,8 @@ def stage_payload(payload: KVPayload, desc: Descriptor) -> KVPayload:
     num_tokens = payload.end_token // bs * bs - payload.start_token
     if num_tokens <= 0 or payload.start_token % bs:
         return KVPayload(payload.start_token, (), (), CacheBuffers.empty(desc, 0))
+    if num_tokens < len(payload.token_ids) and _windows_moved(payload, desc):
+        return KVPayload(payload.start_token, (), (), CacheBuffers.empty(desc, 0))
     cache = payload.cache
     if cache.desc.layout.block_size != bs:
         cache = _reblock(cache, bs, num_tokens)  # exactly num_tokens / bs blocks
@@ -40,6 +43,16 @@ def stage_payload(payload: KVPayload, desc: Descriptor) -> KVPayload:
         )
     tokens = payload.token_ids[:num_tokens]
     return KVPayload(payload.start_token, tokens, payload.block_hashes, cache)
+
+
+def _windows_moved(payload: KVPayload, desc: Descriptor) -> bool:
+    """Whether a sliding layer's tokens before the payload's end are zeros in it (its window
+    at the end had left them), so a shorter prefix of it is not whole."""
+    return any(
+        window_start(x.window, payload.end_token) > payload.start_token
+        for x in desc.model.layers
+        if x.has_kv
+    )
 
 
 def _reblock(cache: CacheBuffers, block_size: int, num_tokens: int) -> CacheBuffers:

@@ -105,7 +105,9 @@ def read_container(
     meta = _read_meta(src, expect)
     sections = [
         _read_section(src, layout, i)
-        for i, layout in enumerate(section_layouts(meta.desc, len(meta.token_ids)))
+        for i, layout in enumerate(
+            section_layouts(meta.desc, len(meta.token_ids), meta.header.flags)
+        )
     ]
     check_end(src.take(END.size, "end record"), [s.checksum for s in sections])
     if src.remaining:
@@ -132,7 +134,7 @@ def iter_layers(
     meta = _read_meta(src, expect)
     yield meta
     checksums = []
-    layouts = section_layouts(meta.desc, len(meta.token_ids))
+    layouts = section_layouts(meta.desc, len(meta.token_ids), meta.header.flags)
     if isinstance(src, _ReadAheadSource):
         src.follow(layouts)
     for index, layout in enumerate(layouts):
@@ -355,6 +357,21 @@ def _skip_padding(src: _Source, what: str) -> None:
 
 
 def _tensors(layout: SectionLayout, payload: memoryview) -> dict[str, torch.Tensor]:
+    """The section's buffers over the container's whole extent: views of the payload, or, for
+    a sliding layer's tail, zeros before it (blocks its window no longer needs) and a copy."""
+    out = _views(layout, payload)
+    if layout.first:
+        for spec in layout.specs:
+            axis = spec.dim("B" if "B" in spec.axes else "T")
+            shape = list(spec.shape)
+            shape[axis] += layout.first
+            whole = torch.zeros(shape, dtype=spec.dtype)
+            whole.narrow(axis, layout.first, spec.shape[axis]).copy_(out[spec.key])
+            out[spec.key] = whole
+    return out
+
+
+def _views(layout: SectionLayout, payload: memoryview) -> dict[str, torch.Tensor]:
     out = {}
     for spec, offset in zip(layout.specs, layout.offsets, strict=True):
         if spec.num_bytes == 0:

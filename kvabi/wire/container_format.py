@@ -13,14 +13,19 @@ from functools import lru_cache
 import xxhash
 
 from kvabi.abi.buffers import BufferSpec, layer_buffer_specs, owner_layers
-from kvabi.abi.descriptor import Descriptor
+from kvabi.abi.descriptor import ATTN, Descriptor
+from kvabi.abi.kv_groups import window_start
 from kvabi.wire.errors import BadMagicError, ChecksumError, FormatError, VersionError
 
 MAGIC = b"KVABI\x00\r\n"
 SECTION_MAGIC = b"KVSC"
 END_MAGIC = b"KVEN"
-MAJOR, MINOR = 1, 0
-KNOWN_FLAGS = 0  # no flag bits are defined in 1.0; a reader refuses any set bit
+MAJOR, MINOR = 1, 1
+# 1.1: a sliding-window layer's section holds only the tail of the sequence its window still
+# needs (docs/ABI.md 5.4). Set exactly when the descriptor has a windowed layer; a reader
+# refuses any other bit, so a 1.0 reader refuses such a container instead of misreading it.
+FLAG_WINDOW_TAILS = 1
+KNOWN_FLAGS = FLAG_WINDOW_TAILS
 ALIGN = 64
 HASH_BYTES = 32
 TOKEN_BYTES = 4
@@ -65,6 +70,15 @@ class Header:
     major: int = MAJOR
     minor: int = MINOR
     flags: int = 0
+
+    @classmethod
+    def for_desc(
+        cls, desc: Descriptor, desc_len: int, num_tokens: int, num_hashes: int, num_sections: int
+    ) -> Header:
+        """A writer's header: 1.1 with the window-tails flag when a layer slides, else 1.0
+        (so a uniform model's container is byte for byte what a 1.0 writer makes)."""
+        flags = flags_for(desc)
+        return cls(desc_len, num_tokens, num_hashes, num_sections, MAJOR, 1 if flags else 0, flags)
 
     @property
     def meta_len(self) -> int:
@@ -113,14 +127,32 @@ def extent_for(desc: Descriptor, num_tokens: int) -> int:
     return num_tokens
 
 
+def flags_for(desc: Descriptor) -> int:
+    """The flags a writer sets for a container of `desc`."""
+    slides = any(x.kind == ATTN and x.window for x in desc.model.layers)
+    return FLAG_WINDOW_TAILS if slides else 0
+
+
+def tail_start(desc: Descriptor, layer_id: int, num_tokens: int) -> int:
+    """Where a layer's section starts in a container of `num_tokens` tokens with the
+    window-tails flag: for a sliding layer of window W, the block (paged) or token (unpaged)
+    holding token max(num_tokens - W + 1, 0), the first key the next query (at position
+    num_tokens) attends to; 0 for every other layer."""
+    first_token = window_start(desc.model.layers[layer_id].window, num_tokens)
+    return first_token // desc.layout.block_size if desc.layout.is_paged else first_token
+
+
 @dataclass(frozen=True)
 class SectionLayout:
-    """One layer's payload: its buffers in spec order and each one's offset in the payload."""
+    """One layer's payload: its buffers in spec order and each one's offset in the payload.
+    The buffers hold blocks/slots `first .. first + extent - 1` of the container's."""
 
     layer_id: int
     specs: tuple[BufferSpec, ...]
     offsets: tuple[int, ...]
     payload_len: int
+    first: int = 0
+    window: int = 0  # the layer's window when its section is a tail (for error messages)
 
     def head(self) -> bytes:
         """The first 16 bytes of the section header, which the section checksum covers."""
@@ -135,22 +167,32 @@ class SectionLayout:
 
 
 @lru_cache(maxsize=4096)  # pure, and asked for once per section of every container read
-def section_layout(desc: Descriptor, layer_id: int, extent: int) -> SectionLayout:
-    """Buffers of `layer_id` each at the next multiple of ALIGN; payload_len ends at the last."""
-    specs = tuple(layer_buffer_specs(desc, layer_id, extent))
+def section_layout(desc: Descriptor, layer_id: int, extent: int, first: int = 0) -> SectionLayout:
+    """Buffers of `layer_id` (blocks/slots `first .. extent - 1`) each at the next multiple
+    of ALIGN; payload_len ends at the last."""
+    specs = tuple(layer_buffer_specs(desc, layer_id, extent - first))
     offsets, end = [], 0
     for spec in specs:
         start = end + padding(end)
         offsets.append(start)
         end = start + spec.num_bytes
-    return SectionLayout(layer_id, specs, tuple(offsets), end)
+    window = desc.model.layers[layer_id].window if first else 0
+    return SectionLayout(layer_id, specs, tuple(offsets), end, first, window)
 
 
 @lru_cache(maxsize=256)  # hashing a descriptor costs: once per container, not per section
-def section_layouts(desc: Descriptor, num_tokens: int) -> tuple[SectionLayout, ...]:
-    """The sections of a container, in order: one per owner layer, ascending."""
+def section_layouts(
+    desc: Descriptor, num_tokens: int, flags: int | None = None
+) -> tuple[SectionLayout, ...]:
+    """The sections of a container, in order: one per owner layer, ascending. `flags`: the
+    header's (None: what a writer sets, `flags_for`); with the window-tails flag a sliding
+    layer's section is its tail (`tail_start`)."""
     extent = extent_for(desc, num_tokens)
-    return tuple(section_layout(desc, i, extent) for i in owner_layers(desc))
+    tails = (flags_for(desc) if flags is None else flags) & FLAG_WINDOW_TAILS
+    return tuple(
+        section_layout(desc, i, extent, tail_start(desc, i, num_tokens) if tails else 0)
+        for i in owner_layers(desc)
+    )
 
 
 @lru_cache(maxsize=64)
@@ -182,9 +224,14 @@ def check_section_header(data: bytes | memoryview, expected: SectionLayout, inde
             "(one section per owner layer, ascending)"
         )
     if payload_len != expected.payload_len:
+        tail = (
+            f" (a {expected.window}-token window: blocks/slots {expected.first} on only)"
+            if expected.window
+            else ""
+        )
         raise FormatError(
             f"{where} (layer {layer_id}): payload_len {payload_len}, the "
-            f"descriptor says {expected.payload_len}"
+            f"descriptor says {expected.payload_len}{tail}"
         )
     if reserved:
         raise FormatError(f"{where} (layer {layer_id}): reserved field is {reserved:#x}, not 0")

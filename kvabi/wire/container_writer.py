@@ -81,6 +81,8 @@ class ContainerWriter:
                 f"layer {layer_id} is not an owner layer of the descriptor "
                 f"({[x.layer_id for x in self._layouts]})"
             )
+        if layout.first:  # a sliding layer's tail: the blocks its window still needs
+            tensors = _tail(self.desc, layout, tensors)
         return PreparedSection(layout, _payload_parts(layout, tensors))
 
     def write_prepared(self, section: PreparedSection) -> None:
@@ -105,7 +107,9 @@ class ContainerWriter:
     def _write_meta(self, tokens: bytes, hashes: bytes) -> None:
         desc_text = desc_json(self.desc)
         num_tokens, num_hashes = len(tokens) // TOKEN_BYTES, len(hashes) // HASH_BYTES
-        header = Header(len(desc_text), num_tokens, num_hashes, len(self._layouts))
+        header = Header.for_desc(
+            self.desc, len(desc_text), num_tokens, num_hashes, len(self._layouts)
+        )
         parts = (header.pack(), desc_text, tokens, hashes)
         self._write(*parts, U64.pack(checksum(*parts)))
 
@@ -178,6 +182,22 @@ def layer_tensors(cache: CacheBuffers, layer_id: int, extent: int) -> dict[str, 
     for spec in layer_buffer_specs(cache.desc, layer_id, extent):
         axis = spec.dim("B" if cache.desc.layout.is_paged else "T")
         out[spec.key] = cache.tensors[spec.key].narrow(axis, 0, extent)
+    return out
+
+
+def _tail(
+    desc: Descriptor, layout: SectionLayout, tensors: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Whole-extent buffers narrowed to the section's blocks/slots (tail-sized ones as given)."""
+    axis_letter = "B" if desc.layout.is_paged else "T"
+    out = {}
+    for key, t in tensors.items():
+        spec = next((s for s in layout.specs if s.key == key), None)
+        axis = spec.dim(axis_letter) if spec is not None else 0
+        whole = spec is not None and t.dim() == len(spec.shape)
+        if whole and t.shape[axis] == layout.first + spec.shape[axis]:
+            t = t.narrow(axis, layout.first, spec.shape[axis])
+        out[key] = t
     return out
 
 

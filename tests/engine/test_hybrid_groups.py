@@ -11,8 +11,8 @@ import dataclasses
 
 import pytest
 
-from kvabi.abi.descriptor import ATTN, LayerSpec
-from kvabi.cache.kv_cache import NULL_BLOCK
+from kvabi.abi.descriptor import ATTN, Descriptor, LayerSpec, ModelSpec
+from kvabi.cache.kv_cache import NULL_BLOCK, KVCache
 from kvabi.cache.tier_config import TierConfig
 from kvabi.engine.engine import EngineConfig, LLMEngine
 from kvabi.engine.sampling_params import SamplingParams
@@ -103,14 +103,11 @@ def test_a_prefix_hit_needs_the_full_groups_prefix_and_the_sliding_groups_window
     assert NULL_BLOCK not in sliding[first_needed:]
 
 
-def test_tiers_and_transfers_refuse_a_hybrid_cache_clearly():
+def test_tiers_and_per_layer_export_refuse_a_hybrid_cache_clearly():
     e = engine()
-    for call in (
-        lambda: e.cache.export(PROMPTS[0], None),
-        lambda: e.cache.export_layer(0, [0]),
-        lambda: e.cache.held([]),
-    ):
-        with pytest.raises(ValueError, match="^[a-z_]+: a hybrid model's cache"):
-            call()
-    with pytest.raises(ValueError, match="^tiers: a hybrid model's cache"):
-        engine(tiers=TierConfig(host_bytes=2**20))
+    with pytest.raises(ValueError, match="^export_layer: a hybrid model's cache"):
+        e.cache.export_layer(0, [0])
+    layers = (LayerSpec(ATTN, 1, 8, 8, window=4), LayerSpec(ATTN, 2, 8, 8))  # two geometries
+    desc = Descriptor(ModelSpec(layers, "two-pools"), e.info.descriptor.layout)
+    with pytest.raises(ValueError, match="^tiers: a hybrid model's cache over several block"):
+        KVCache(desc, 8, tiers=TierConfig(host_bytes=2**20))
