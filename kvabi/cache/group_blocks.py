@@ -190,6 +190,8 @@ def _copy_group(
     if not positions:
         return
     storage = cache.storages[group.pool_id]
+    if storage.desc.layout.is_cross_layer:  # one tensor holds every slot: no per-layer copy
+        raise ValueError("kv layout: a hybrid cache's blocks move in per-layer layouts only")
     pos = torch.tensor(positions, dtype=torch.long)
     ids = torch.tensor(block_ids, dtype=torch.long)
     for slot, layer_id in enumerate(group.layer_ids):

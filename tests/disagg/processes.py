@@ -98,3 +98,28 @@ def through_router(
             return await fn(client)
 
     return asyncio.run(main())
+
+
+def colocated_then_routed(
+    prefill: Instance, decode: Instance, chat: dict, timeout_s: float = 300
+) -> tuple[dict, httpx.Response]:
+    """Start both, ask the prefill instance (a whole engine) with the top-2 logprobs of each
+    step, then the same through the router; stop both. Returns (colocated JSON, routed)."""
+    try:
+        start_all([prefill, decode])
+        body = chat | {"logprobs": True, "top_logprobs": 2}
+        url = f"{prefill.url}/v1/chat/completions"
+        want = httpx.post(url, json=body, timeout=timeout_s).json()
+
+        async def send(client: httpx.AsyncClient) -> httpx.Response:
+            return await client.post("/v1/chat/completions", json=chat)
+
+        return want, through_router([prefill], [decode], send)
+    finally:
+        prefill.process.stop(), decode.process.stop()
+
+
+def min_top2_margin(colocated: dict) -> float:
+    """The smallest top-2 logprob margin over the colocated answer's steps."""
+    top2 = [e["top_logprobs"] for e in colocated["choices"][0]["logprobs"]["content"]]
+    return min(a["logprob"] - b["logprob"] for a, b in top2)

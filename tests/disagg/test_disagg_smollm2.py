@@ -11,11 +11,10 @@ France?" alone has a first step 2 ulps wide; asking for one word makes every ste
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 from tests.conftest import bundled_gguf_path
-from tests.disagg.processes import Instance, start_all, through_router
+from tests.disagg.processes import Instance, colocated_then_routed, min_top2_margin
 
 pytestmark = pytest.mark.slow
 CHAT = {
@@ -30,21 +29,10 @@ def test_smollm2_through_prefill_and_decode_matches_colocated():
     bundled_gguf_path()
     prefill = Instance([], "prefill", "hnd", 16)
     decode = Instance([], "decode", "nhd", 32, "--kv-peer", prefill.kv_address)
-    try:
-        start_all([prefill, decode])
-        body = CHAT | {"logprobs": True, "top_logprobs": 2}
-        want = httpx.post(f"{prefill.url}/v1/chat/completions", json=body, timeout=120).json()
-
-        async def send(client: httpx.AsyncClient) -> httpx.Response:
-            return await client.post("/v1/chat/completions", json=CHAT)
-
-        got = through_router([prefill], [decode], send)
-    finally:
-        prefill.process.stop(), decode.process.stop()
+    want, got = colocated_then_routed(prefill, decode, CHAT, timeout_s=120)
     assert got.status_code == 200, got.text
     text = got.json()["choices"][0]["message"]["content"]
-    top2 = [e["top_logprobs"] for e in want["choices"][0]["logprobs"]["content"]]
-    assert min(a["logprob"] - b["logprob"] for a, b in top2) > 2 * BF16_LOGIT_ULP
+    assert min_top2_margin(want) > 2 * BF16_LOGIT_ULP
     assert text == want["choices"][0]["message"]["content"]
     assert "Paris" in text
     num_prompt = got.json()["usage"]["prompt_tokens"]
