@@ -211,9 +211,9 @@ def _copy_group(
 
 
 def held_tiered(cache: KVCache, keys: Sequence[BlockKey]) -> int:
-    """`KVCache.held` for several block groups over one pool with tiers: the pool's held
-    prefix, extended by the longest one the tiers complete (each group's blocks that prefix
-    needs, fetched verified and placed as cached blocks)."""
+    """`KVCache.held` for several block groups: the pool's held prefix, extended by the
+    longest one the tiers complete (each group's blocks that prefix needs, fetched verified
+    and placed into its pool as cached blocks)."""
     hashes = [k.block_hash for k in keys]
     held = held_run(cache, hashes)
     if cache.tiers is None or held == len(keys):
@@ -239,20 +239,34 @@ def _load(
     todo: list[tuple[BlockGroup, int]],
 ) -> bool:  # fmt: skip
     """Fetch and place the (group, block) entries `todo` for a prefix of `end` blocks, the
-    pooled blocks it needs pinned meanwhile; False (nothing placed) if any is refused or
-    the pool lacks room."""
-    pool, storage = cache.pools[0], cache.storages[0]
-    pinned = [
-        b
-        for g in cache.groups
-        for i in needed(cache, g, 0, end)
-        if (b := cache.cached_in(g.group_id, hashes[i])) is not None
-    ]
-    if len(todo) > pool.num_free - pool.num_free_of(pinned):
+    pooled blocks it needs pinned meanwhile; False (nothing placed) if any entry is refused
+    or a pool lacks room."""
+    pools = range(len(cache.pools))
+    pinned = {p: [] for p in pools}
+    for g in cache.groups:
+        for i in needed(cache, g, 0, end):
+            if (b := cache.cached_in(g.group_id, hashes[i])) is not None:
+                pinned[g.pool_id].append(b)
+    by_pool = {p: [(g, i) for g, i in todo if g.pool_id == p] for p in pools}
+    for p, pool in enumerate(cache.pools):
+        if len(by_pool[p]) > pool.num_free - pool.num_free_of(pinned[p]):
+            return False
+    found = {
+        p: cache.pool_tiers[p].fetch([group_key(keys[i], g.group_id) for g, i in by_pool[p]])
+        for p in pools
+    }
+    if any(len(found[p]) < len(by_pool[p]) for p in pools):
         return False
-    found = cache.tiers.fetch([group_key(keys[i], g.group_id) for g, i in todo])
-    if len(found) < len(todo):
-        return False
+    for p in pools:
+        _place_loaded(cache, p, pinned[p], by_pool[p], found[p], keys)
+    return True
+
+
+def _place_loaded(
+    cache: KVCache, pool_id: int, pinned: list[int], todo: list[tuple[BlockGroup, int]],
+    found: list[CacheBuffers], keys: Sequence[BlockKey],
+) -> None:  # fmt: skip
+    pool, storage = cache.pools[pool_id], cache.storages[pool_id]
     pool.touch(pinned)
     targets: list[int] = []
     try:
@@ -262,4 +276,3 @@ def _load(
             pool.cache_block(block_id, keys[i], g.group_id)
     finally:
         pool.free(pinned + targets)
-    return True

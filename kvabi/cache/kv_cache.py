@@ -17,7 +17,7 @@ no path that allocates can give a tier the wrong KV under an old hash. The sched
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -119,8 +119,9 @@ class KVCache:
 
         A hybrid model (sliding, shared or KV-less layers) gets several block groups over one
         pool per layer geometry (kvabi/cache/block_groups.py); its prefix match, held, export
-        and import go per group (kvabi/cache/group_blocks.py). Tiers and per-layer export
-        serve one-group caches only, for now, and say so."""
+        and import go per group (kvabi/cache/group_blocks.py), tier entries too (one
+        `TieredCache` per pool over the same tiers). Per-layer export serves one-group
+        caches only, for now, and says so."""
         self.desc, self.block_size = desc, desc.layout.block_size
         self.is_prefix_caching = prefix_caching
         self.plan = plan_groups(desc.model)
@@ -134,17 +135,19 @@ class KVCache:
         ]
         self.storage = self.storages[0]
         self.hasher = BlockHasher(desc.model.compat_digest(), self.block_size)
-        if tiers.is_enabled and len(self.storages) > 1:
-            raise ValueError(
-                "tiers: a hybrid model's cache over several block pools (layers of different "
-                "geometries) cannot use tiers yet"
-            )
         self.tiers = TieredCache.build(tiers, self.storage) if tiers.is_enabled else None
-        write_down = self._write_down if self.tiers is not None else None
+        self.pool_tiers = [self.tiers]  # per pool: the tiers below it, with its codec
+        if self.tiers is not None:
+            self.pool_tiers += [self.tiers.beside(s, tiers) for s in self.storages[1:]]
         event_group = next((g.group_id for g in self.groups if g.window == 0), 0)
         event_pool = self.groups[event_group].pool_id
         self.pools = [
-            BlockPool(n, events if i == event_pool else None, write_down, event_group)
+            BlockPool(
+                n,
+                events if i == event_pool else None,
+                self._write_down_of(i) if self.tiers is not None else None,
+                event_group,
+            )
             for i, n in enumerate(counts)
         ]
         self.pool = self.pools[0]
@@ -223,11 +226,12 @@ class KVCache:
                 for g in self.groups
                 if g.pool_id == pool_id and (b := self.cached_in(g.group_id, h)) is not None
             ]
-            if self.tiers is not None:
+            tiers = self.pool_tiers[pool_id] if self.tiers is not None else None
+            if tiers is not None:
                 keys = [self._tier_key(pool.keys[i], pool.groups[i]) for i in block_ids]
-                todo = self.tiers.lacking(keys)
+                todo = tiers.lacking(keys)
                 if todo:
-                    self.tiers.write_down([block_ids[j] for j in todo], [keys[j] for j in todo])
+                    tiers.write_down([block_ids[j] for j in todo], [keys[j] for j in todo])
             pool.demote(block_ids)
 
     # ---- the block API ----
@@ -304,23 +308,27 @@ class KVCache:
 
     def flush(self) -> None:
         """Wait until every queued write-down has reached the lower tiers."""
-        if self.tiers is not None:
-            self.tiers.flush()
+        for tiers in self.pool_tiers if self.tiers is not None else ():
+            tiers.flush()
 
     def close(self) -> None:
         """Finish queued write-downs and release the tiers (their connections and thread)."""
-        if self.tiers is not None:
-            self.tiers.close()
+        for tiers in reversed(self.pool_tiers) if self.tiers is not None else ():
+            tiers.close()  # the first pool's, which owns the tiers, last
 
     def _tier_key(self, key: BlockKey, group_id: int) -> BlockKey:
         """A block's key in the tiers: its own, or, in a hybrid cache, its group's."""
         return key if self.plan.is_uniform else group_key(key, group_id)
 
-    def _write_down(self, block_ids: list[int], keys: list[BlockKey]) -> None:
-        """The pool's hook for evicted blocks (one pool when there are tiers)."""
-        groups = self.pools[0].groups  # a block evicted from the index keeps its group here
-        tier_keys = [self._tier_key(k, groups[b]) for b, k in zip(block_ids, keys, strict=True)]
-        self.tiers.write_down(block_ids, tier_keys)
+    def _write_down_of(self, pool_id: int) -> Callable[[list[int], list[BlockKey]], None]:
+        """Pool `pool_id`'s hook for the blocks it evicts: down its tiers, keyed per group."""
+
+        def write_down(block_ids: list[int], keys: list[BlockKey]) -> None:
+            groups = self.pools[pool_id].groups  # an evicted block keeps its group here
+            tier_keys = [self._tier_key(k, groups[b]) for b, k in zip(block_ids, keys, strict=True)]
+            self.pool_tiers[pool_id].write_down(block_ids, tier_keys)
+
+        return write_down
 
     def _pooled_ids(self, hashes: Sequence[bytes]) -> list[int]:
         """The pool blocks still holding any of these hashes, in the given order."""

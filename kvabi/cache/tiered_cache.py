@@ -45,6 +45,7 @@ class TieredCache:
         self.tiers, self.storage = tiers, storage
         self.codec = BlockCodec(desc)
         self.writer = None  # what write_down hands its copies to (with a storage)
+        self.owns_tiers = True  # close() releases the tiers (not for one made `beside`)
         if storage is not None:
             self.writer = TierWriter(tiers, self.codec, config.write_queue_bytes)
 
@@ -53,6 +54,13 @@ class TieredCache:
         """The configured tiers below this storage."""
         tiers = config.build(storage.desc.model.compat_digest())
         return cls(storage.desc, tiers, config, storage)
+
+    def beside(self, storage: KVStorage, config: TierConfig) -> TieredCache:
+        """The same tiers below another storage (another block pool of a hybrid cache): its
+        own codec and writer, the tiers' room and connections shared; close it first."""
+        other = TieredCache(storage.desc, self.tiers, config, storage)
+        other.owns_tiers = False
+        return other
 
     def tier(self, name: str) -> KVTier:
         """The tier of this name (`host`, `disk`, `redis`)."""
@@ -98,7 +106,7 @@ class TieredCache:
         """Write what is queued, stop the writer, release the tiers' connections."""
         if self.writer is not None:
             self.writer.close()
-        for tier in self.tiers:
+        for tier in self.tiers if self.owns_tiers else ():
             tier.close()
 
     def _plan(self, keys: Sequence[BlockKey]) -> Plan:

@@ -76,3 +76,39 @@ def test_shared_layers_read_their_targets_kv_and_store_none(served: Any) -> None
         max(len(g.layer_ids) for g in engine.cache.groups if g.pool_id == p)
         for p in range(len(engine.cache.storages))
     )
+
+
+def test_tiers_and_transfers_per_group_keep_greedy_equal_to_transformers(served: Any) -> None:
+    """Several pools (layer geometries): a prompt's blocks evicted down the host tier come
+    back per group, and an export imported into a second engine continues, both as
+    transformers' `generate`."""
+    from kvabi.cache.group_blocks import held_run
+    from kvabi.cache.tier_config import TierConfig
+
+    loaded, prompts, want = served
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0, ignore_eos=True)
+    config = EngineConfig(block_size=BLOCK, num_blocks=40, tiers=TierConfig(host_bytes=2**24))
+    engine = LLMEngine(loaded, config)
+    prompt, (tokens, _) = prompts[0].tolist(), want[0]
+
+    def greedy(e: LLMEngine, ids: list[int]) -> list[int]:
+        request_id, got = e.add_request(ids, params), []
+        while e.has_unfinished():
+            got += [
+                t for o in e.step() if o.request_id == request_id for t in o.outputs[0].token_ids
+            ]
+        return got
+
+    assert greedy(engine, prompt) == tokens
+    for seed in range(4):  # other prompts take the pools: the first one's blocks go down
+        greedy(engine, random_ids(30, seed=100 + seed).tolist())
+    engine.cache.flush()
+    keys = engine.cache.hasher.keys(prompt, None)
+    assert held_run(engine.cache, [k.block_hash for k in keys]) < len(keys)  # evicted
+    assert engine.cache.held(keys) == len(keys)  # every group's blocks, from the tier
+    assert greedy(engine, prompt) == tokens
+    payload = engine.cache.export(prompt, None)
+    other = LLMEngine(loaded, EngineConfig(block_size=BLOCK))
+    assert other.cache.import_blocks(prompt, None, payload).num_cached_tokens == 20
+    assert greedy(other, prompt) == tokens
+    assert other.cache.stats.prefix.hit_tokens == 20
