@@ -22,11 +22,12 @@ import torch
 from kvabi.abi.buffers import CacheBuffers, layer_buffer_specs
 from kvabi.abi.convert import convert
 from kvabi.abi.kv_groups import window_start
+from kvabi.cache.block_api import NO_MATCH, NULL_BLOCK, ImportResult, KVPayload, MatchResult
 from kvabi.cache.block_groups import BlockGroup
 from kvabi.cache.block_hasher import BlockKey
 
 if TYPE_CHECKING:
-    from kvabi.cache.kv_cache import ImportResult, KVCache, KVPayload, MatchResult
+    from kvabi.cache.kv_cache import KVCache
 
 
 def group_key(key: BlockKey, group_id: int) -> BlockKey:
@@ -67,8 +68,6 @@ def match_groups(cache: KVCache, hashes: Sequence[bytes], num_tokens: int) -> Ma
     """`KVCache.match` for several block groups: the longest held prefix, capped at
     `num_tokens - 1` tokens, with per group its blocks (`NULL_BLOCK` where the window at the
     hit point no longer reaches)."""
-    from kvabi.cache.kv_cache import NO_MATCH, NULL_BLOCK, MatchResult
-
     bs = cache.block_size
     for h in range(held_run(cache, hashes), 0, -1):
         num_cached = min(h * bs, num_tokens - 1)
@@ -92,8 +91,6 @@ def export_groups(
 ) -> KVPayload:
     """`KVCache.export` for several block groups: the blocks from `start_token` of the longest
     held prefix, each group's own (blocks a sliding group no longer needs are zeros)."""
-    from kvabi.cache.kv_cache import KVPayload
-
     bs, hashes = cache.block_size, cache.hasher.hashes(token_ids, cache_salt)
     first = start_token // bs
     last = held_run(cache, hashes, first)
@@ -111,8 +108,6 @@ def import_groups(
 ) -> ImportResult:
     """`KVCache.import_blocks` for several block groups: the longest prefix the payload
     completes and the pool has room for; per group, the blocks it needs and lacks are placed."""
-    from kvabi.cache.kv_cache import ImportResult
-
     bs, hashes = cache.block_size, cache.hasher.hashes(token_ids, cache_salt)
     held = held_run(cache, hashes)
     first, last = payload.start_token // bs, min(payload.end_token // bs, len(hashes))

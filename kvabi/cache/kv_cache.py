@@ -18,13 +18,21 @@ no path that allocates can give a tier the wrong KV under an old hash. The sched
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from kvabi.abi.buffers import CacheBuffers, layer_buffer_specs
 from kvabi.abi.descriptor import Descriptor
+from kvabi.cache.block_api import (  # noqa: F401 - the block API's types, re-exported
+    NO_MATCH,
+    NULL_BLOCK,
+    FetchRequest,
+    ImportResult,
+    KVPayload,
+    MatchResult,
+    held_blocks,
+)
 from kvabi.cache.block_codec import stack_blocks
 from kvabi.cache.block_events import BlockEventSink
 from kvabi.cache.block_groups import plan_groups
@@ -41,66 +49,6 @@ from kvabi.cache.group_blocks import (
 from kvabi.cache.kv_storage import KVStorage
 from kvabi.cache.tier_config import TierConfig
 from kvabi.cache.tiered_cache import TieredCache
-
-
-@dataclass(frozen=True)
-class MatchResult:
-    """The cached prefix of a request: its tokens and, per block group, the pool blocks
-    holding them (`NULL_BLOCK` where a sliding group's window no longer needs a block)."""
-
-    num_cached_tokens: int
-    block_tables: tuple[tuple[int, ...], ...]
-
-    @property
-    def block_ids(self) -> tuple[int, ...]:
-        """The first group's blocks (a uniform model's only group)."""
-        return self.block_tables[0] if self.block_tables else ()
-
-    def table(self, group_id: int) -> tuple[int, ...]:
-        return self.block_tables[group_id] if self.block_tables else ()
-
-
-NO_MATCH = MatchResult(0, ())
-NULL_BLOCK = -1  # a sliding group's table entry for a block that left the window
-
-
-def held_blocks(table: Sequence[int]) -> list[int]:
-    """A block table's blocks, without the entries a sliding window released."""
-    return [b for b in table if b != NULL_BLOCK]
-
-
-@dataclass(frozen=True)
-class FetchRequest:
-    """KV wanted for `token_ids` (a whole prompt) from token `start_token` on; the blocks
-    before it the asker already holds. `start_token` is a multiple of both block sizes."""
-
-    token_ids: tuple[int, ...]
-    start_token: int = 0
-    cache_salt: str | None = None
-
-
-@dataclass(frozen=True)
-class KVPayload:
-    """Blocks of a prompt's KV: tokens `start_token .. start_token + len(token_ids) - 1` in
-    the sender's layout (`cache.extent` blocks), with the sender's block hashes of them."""
-
-    start_token: int
-    token_ids: tuple[int, ...]
-    block_hashes: tuple[bytes, ...]
-    cache: CacheBuffers
-
-    @property
-    def end_token(self) -> int:
-        """One past the last token whose KV the payload holds."""
-        return self.start_token + len(self.token_ids)
-
-
-@dataclass(frozen=True)
-class ImportResult:
-    """What an import did: tokens the pool now holds for the prompt, blocks newly placed."""
-
-    num_cached_tokens: int
-    num_placed_blocks: int
 
 
 class KVCache:
