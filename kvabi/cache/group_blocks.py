@@ -103,6 +103,31 @@ def export_groups(
     return KVPayload(start_token, tokens, tuple(hashes[first:last]), out)
 
 
+def export_group_layer(
+    cache: KVCache, layer_id: int, block_tables: Sequence[Sequence[int]], blocks: slice
+) -> dict[str, torch.Tensor]:
+    """`KVCache.export_layer` for several block groups: the layer's buffers over `blocks`,
+    its group's blocks the prefix of `blocks.stop` needs copied from its pool slot, zeros for
+    the rest. A needed block the sliding window already released is an error, never zeros."""
+    group_id, slot = cache.plan.layer_slots[layer_id]
+    group = cache.groups[group_id]
+    wanted = needed(cache, group, blocks.start, blocks.stop)
+    ids = [block_tables[group_id][i] for i in wanted]
+    if NULL_BLOCK in ids:
+        raise ValueError(f"export_layer: layer {layer_id}'s window released a block it needs")
+    storage = cache.storages[group.pool_id]
+    specs = layer_buffer_specs(cache.desc, layer_id, blocks.stop - blocks.start)
+    out = {s.key: torch.zeros(s.shape, dtype=s.dtype) for s in specs}
+    if ids:
+        pos = torch.tensor([i - blocks.start for i in wanted], dtype=torch.long)
+        index = torch.tensor(ids, dtype=torch.long)
+        for slot_spec, spec in zip(layer_buffer_specs(storage.desc, slot, 1), specs, strict=True):
+            pooled = storage.buffers.tensors[slot_spec.key]
+            dim = spec.dim("B")
+            out[spec.key].index_copy_(dim, pos, pooled.index_select(dim, index))
+    return out
+
+
 def import_groups(
     cache: KVCache, token_ids: Sequence[int], cache_salt: str | None, payload: KVPayload
 ) -> ImportResult:

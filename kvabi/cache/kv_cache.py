@@ -40,6 +40,7 @@ from kvabi.cache.block_hasher import BlockHasher, BlockKey
 from kvabi.cache.block_pool import BlockPool
 from kvabi.cache.cache_stats import CacheStats, flat_stats
 from kvabi.cache.group_blocks import (
+    export_group_layer,
     export_groups,
     group_key,
     held_tiered,
@@ -68,8 +69,7 @@ class KVCache:
         A hybrid model (sliding, shared or KV-less layers) gets several block groups over one
         pool per layer geometry (kvabi/cache/block_groups.py); its prefix match, held, export
         and import go per group (kvabi/cache/group_blocks.py), tier entries too (one
-        `TieredCache` per pool over the same tiers). Per-layer export serves one-group
-        caches only, for now, and says so."""
+        `TieredCache` per pool over the same tiers)."""
         self.desc, self.block_size = desc, desc.layout.block_size
         self.is_prefix_caching = prefix_caching
         self.plan = plan_groups(desc.model)
@@ -214,15 +214,20 @@ class KVCache:
         tokens = tuple(token_ids[start_token : (first + num_blocks) * self.block_size])
         return KVPayload(start_token, tokens, tuple(hashes[first : first + num_blocks]), cache)
 
-    def export_layer(self, layer_id: int, block_ids: Sequence[int]) -> dict[str, Tensor]:
-        """A copy of one layer of these blocks, in this cache's layout: that layer's section
-        of a container of them (called mid-forward, once the layer's K/V are stored)."""
-        self._require_one_group("export_layer")
-        index = torch.tensor(block_ids, dtype=torch.long)
+    def export_layer(
+        self, layer_id: int, block_tables: Sequence[Sequence[int]], blocks: slice
+    ) -> dict[str, Tensor]:
+        """A copy of one owner layer of a sequence's blocks `blocks` (its block tables, one per
+        group), in this cache's layout: that layer's section of a container of them, before
+        any window tail is cut (called mid-forward, once the layer's K/V are stored). A
+        sliding layer's blocks before its window at `blocks.stop` are zeros."""
+        if not self.plan.is_uniform:
+            return export_group_layer(self, layer_id, block_tables, blocks)
+        index = torch.tensor(block_tables[0][blocks], dtype=torch.long)
         tensors = self.storage.buffers.tensors
         return {
             spec.key: tensors[spec.key].index_select(spec.dim("B"), index)
-            for spec in layer_buffer_specs(self.desc, layer_id, len(block_ids))
+            for spec in layer_buffer_specs(self.desc, layer_id, len(index))
         }
 
     def import_blocks(

@@ -81,7 +81,7 @@ class PromptFeeds:
                 continue
             feed, blocks = entry
             try:
-                feed.put(layer_id, cache.export_layer(layer_id, seq.block_ids[blocks]))
+                feed.put(layer_id, cache.export_layer(layer_id, seq.block_tables, blocks))
             except Exception as exc:  # never fail the engine's step for one transfer
                 feed.fail(exc)
 
@@ -93,8 +93,6 @@ class PrefillRole:
         self._loop: asyncio.AbstractEventLoop | None = None
         hook = engine.engine.hooks.on_prompt_layer
         self._feeds = hook if isinstance(hook, PromptFeeds) else None  # None: no streaming
-        if not engine.engine.cache.plan.is_uniform:  # per-layer export is one group's only
-            self._feeds = None
 
     def start(self) -> None:
         """Listen on the KV endpoint; call from the event loop, after the engine started."""

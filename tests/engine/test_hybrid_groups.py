@@ -103,12 +103,6 @@ def test_a_prefix_hit_needs_the_full_groups_prefix_and_the_sliding_groups_window
     assert NULL_BLOCK not in sliding[first_needed:]
 
 
-def test_per_layer_export_refuses_a_hybrid_cache_clearly():
-    e = engine()
-    with pytest.raises(ValueError, match="^export_layer: a hybrid model's cache"):
-        e.cache.export_layer(0, [0])
-
-
 def test_pools_of_two_geometries_share_the_tiers_each_with_its_own_codec():
     layers = (LayerSpec(ATTN, 1, 8, 8, window=4), LayerSpec(ATTN, 2, 8, 8))  # two geometries
     desc = Descriptor(ModelSpec(layers, "two-pools"), engine().info.descriptor.layout)

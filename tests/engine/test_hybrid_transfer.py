@@ -37,6 +37,13 @@ def exported():
     return source.cache.export(PROMPT, None)
 
 
+def with_layer0(like, layer0: dict[str, torch.Tensor]):
+    """`like` with layer 0's buffers replaced (to view them block by block)."""
+    from kvabi.abi.buffers import CacheBuffers
+
+    return CacheBuffers(like.desc, like.tensors | layer0)
+
+
 def blocks_of(cache, layer_id: int) -> torch.Tensor:
     spec = layer_buffer_specs(cache.desc, layer_id, cache.extent)[0]
     return cache.tensors[spec.key].movedim(spec.dim("B"), 0)  # [blocks, ...]
@@ -180,3 +187,36 @@ def test_tiers_hold_each_groups_blocks_and_complete_a_prefix(reference):
     out = run_all(e, [PROMPT], GREEDY)[0]
     assert tuple(out.outputs[0].token_ids) == reference
     assert e.cache.stats.prefix.hit_tokens == 24
+
+
+@pytest.mark.parametrize("chunk", [512, 8])
+def test_a_layer_exported_mid_forward_is_the_exports_layer(chunk):
+    """What a prefill instance streams (each layer as the forward stores it, with the
+    sequence's per-group tables) is, layer by layer, the whole export; chunked prefill
+    releases the sliding blocks before the window without losing one the export needs."""
+    from kvabi.engine.engine import EngineConfig, EngineHooks, LLMEngine
+
+    streamed: dict[int, dict[str, torch.Tensor]] = {}
+
+    def hook(cache, layer_id, seqs):
+        (seq,) = seqs
+        streamed[layer_id] = cache.export_layer(layer_id, seq.block_tables, slice(0, 6))
+
+    config = EngineConfig(block_size=4, max_num_batched_tokens=chunk)
+    e = LLMEngine(hybrid_loaded(), config, "hybrid", EngineHooks(on_prompt_layer=hook))
+    run_all(e, [PROMPT[:24]], GREEDY)  # a kvabi decode asks for whole blocks of both sizes
+    assert sorted(streamed) == [0, 1, 2, 3]
+    whole = e.cache.export(PROMPT[:24], None).cache  # the same engine's (same rounding)
+    for layer_id, tensors in streamed.items():
+        for spec in layer_buffer_specs(whole.desc, layer_id, 6):
+            assert torch.equal(tensors[spec.key], whole.tensors[spec.key]), layer_id
+    sliding = blocks_of(with_layer0(whole, streamed[0]), 0)  # window_start(6, 24) = 19
+    assert not sliding[:4].any() and all(b.any() for b in sliding[4:])
+
+
+def test_a_layer_whose_window_released_a_needed_block_is_refused():
+    e = engine(max_num_batched_tokens=8)
+    run_all(e, [PROMPT], GREEDY)
+    released = [[-1] * 6, list(range(6))]  # group 0 slides: all its blocks released
+    with pytest.raises(ValueError, match="layer 0's window released a block it needs"):
+        e.cache.export_layer(0, released, slice(0, 6))
