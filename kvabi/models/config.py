@@ -1,6 +1,7 @@
 """The shape of a Llama-family decoder (`ModelConfig`) and its RoPE scaling (`RopeScaling`).
 
-Both are frozen and validated at construction; a bad value raises `ValueError` naming the field.
+Both are frozen and validated at construction; a bad value raises `CheckpointError` (a
+ValueError) naming the field.
 Loaders (`gguf_loader`, `hf_loader`) translate a checkpoint's own vocabulary into these.
 """
 
@@ -9,14 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvabi.abi.descriptor import ATTN, LayerSpec
+from kvabi.models.errors import CheckpointError
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")
 ROPE_SCALING_TYPES = ("linear", "llama3")
 
 
-def config_error(field_name: str, message: str) -> ValueError:
-    """The error a bad config value raises: `ValueError("<field>: <message>")`."""
-    return ValueError(f"{field_name}: {message}")
+def config_error(field_name: str, message: str) -> CheckpointError:
+    """The error a bad config value raises: `CheckpointError("<field>: <message>")`."""
+    return CheckpointError(f"{field_name}: {message}")
 
 
 def check_layer_types(

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvabi.abi.descriptor import ATTN, LayerSpec
 from kvabi.models.config import RopeScaling, check_layer_types, config_error, eos_ids
+from kvabi.models.errors import CheckpointError
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 GEMMA3_LAYER_TYPES = (SLIDING, FULL)
@@ -106,7 +107,7 @@ def _full_rope(raw: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
         return theta, None
     if rope_type == "linear":
         return theta, RopeScaling("linear", float(params["factor"]))
-    raise ValueError(
+    raise CheckpointError(
         f"rope_type {rope_type!r} not supported for Gemma 3; supported: default, linear"
     )
 
@@ -114,16 +115,18 @@ def _full_rope(raw: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
 def _local_theta(raw: Mapping[str, Any]) -> float:
     params = (raw.get("rope_parameters") or {}).get(SLIDING) or {}
     if params.get("rope_type", "default") != "default":
-        raise ValueError(f"sliding rope_type {params['rope_type']!r}: only 'default' is supported")
+        raise CheckpointError(
+            f"sliding rope_type {params['rope_type']!r}: only 'default' is supported"
+        )
     return float(params.get("rope_theta", raw.get("rope_local_base_freq", 10_000.0)))
 
 
 def _check_supported(raw: Mapping[str, Any]) -> None:
     for key in ("attn_logit_softcapping", "use_bidirectional_attention", "attention_bias"):
         if raw.get(key):
-            raise ValueError(f"{key}: not supported for Gemma 3")
+            raise CheckpointError(f"{key}: not supported for Gemma 3")
     if raw.get("quantization_config"):
-        raise ValueError("quantization_config: quantized HF checkpoints are not supported")
+        raise CheckpointError("quantization_config: quantized HF checkpoints are not supported")
 
 
 def read_gemma3_config(raw: Mapping[str, Any], extra_eos: tuple[int, ...] = ()) -> Gemma3Config:

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvabi.abi.descriptor import ATTN, SHARED, LayerSpec
 from kvabi.models.config import check_layer_types, config_error, eos_ids
+from kvabi.models.errors import CheckpointError
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 GEMMA4_LAYER_TYPES = (SLIDING, FULL)
@@ -188,7 +189,9 @@ def _rope(raw: Mapping[str, Any], layer_type: str) -> Gemma4Rope:
         return Gemma4Rope() if layer_type == SLIDING else Gemma4Rope("proportional", 1e6, 0.25)
     rope_type = params.get("rope_type", "default")
     if rope_type not in GEMMA4_ROPE_TYPES:
-        raise ValueError(f"rope_type {rope_type!r} not supported; supported: {GEMMA4_ROPE_TYPES}")
+        raise CheckpointError(
+            f"rope_type {rope_type!r} not supported; supported: {GEMMA4_ROPE_TYPES}"
+        )
     fraction = params.get("partial_rotary_factor", 1.0) if rope_type == "proportional" else 1.0
     factor = params.get("factor", 1.0) if rope_type == "proportional" else 1.0
     return Gemma4Rope(rope_type, float(params["rope_theta"]), float(fraction), float(factor))
@@ -214,9 +217,11 @@ def _global_geometry(raw: Mapping[str, Any], layer_types: list[str]) -> tuple[in
     full = [i for i, t in enumerate(layer_types) if t == FULL]
     wanted = overrides.get(full[0], {}) if full else {}
     if set(overrides) - set(full) or any(overrides.get(i, {}) != wanted for i in full):
-        raise ValueError("per_layer_config: only equal overrides on all full layers are supported")
+        raise CheckpointError(
+            "per_layer_config: only equal overrides on all full layers are supported"
+        )
     if set(wanted) - {"head_dim", "num_key_value_heads"}:
-        raise ValueError(f"per_layer_config: unsupported overrides {sorted(wanted)}")
+        raise CheckpointError(f"per_layer_config: unsupported overrides {sorted(wanted)}")
     return wanted.get("head_dim", raw["head_dim"]), wanted.get(
         "num_key_value_heads", raw["num_key_value_heads"]
     )
@@ -224,11 +229,11 @@ def _global_geometry(raw: Mapping[str, Any], layer_types: list[str]) -> tuple[in
 
 def _check_supported(raw: Mapping[str, Any]) -> None:
     if raw.get("use_bidirectional_attention") == "all":
-        raise ValueError("use_bidirectional_attention: 'all' (non-causal) is not supported")
+        raise CheckpointError("use_bidirectional_attention: 'all' (non-causal) is not supported")
     if raw.get("attention_bias"):
-        raise ValueError("attention_bias: not supported for Gemma 4")
+        raise CheckpointError("attention_bias: not supported for Gemma 4")
     if raw.get("quantization_config"):
-        raise ValueError("quantization_config: quantized HF checkpoints are not supported")
+        raise CheckpointError("quantization_config: quantized HF checkpoints are not supported")
 
 
 def read_gemma4_config(raw: Mapping[str, Any], extra_eos: tuple[int, ...] = ()) -> Gemma4Config:

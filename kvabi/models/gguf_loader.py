@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from kvabi.models.checkpoint import Checkpoint, parse_dtype
 from kvabi.models.config import ModelConfig, RopeScaling
+from kvabi.models.errors import CheckpointError, MissingFieldError, UnknownArchitectureError
 from kvabi.models.gemma3_config import FULL, SLIDING, Gemma3Config, default_layer_types
 from kvabi.models.rope import fit_llama3_scaling
 
@@ -70,7 +71,7 @@ def open_gguf(path: str | Path) -> GGUFReader:
     try:
         return GGUFReader(path, "r")
     except (ValueError, OSError) as e:
-        raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
+        raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from e
 
 
 def metadata(reader: GGUFReader, key: str, default: Any = _MISSING) -> Any:
@@ -78,14 +79,14 @@ def metadata(reader: GGUFReader, key: str, default: Any = _MISSING) -> Any:
     if field is not None:
         return field.contents()
     if default is _MISSING:
-        raise ValueError(f"GGUF metadata key {key!r} is missing")
+        raise MissingFieldError(f"GGUF metadata key {key!r} is missing")
     return default
 
 
 def architecture(reader: GGUFReader) -> str:
     arch = metadata(reader, "general.architecture")
     if arch not in ARCH_QK_PERMUTED:
-        raise ValueError(
+        raise UnknownArchitectureError(
             f"general.architecture {arch!r} is not supported; supported: {sorted(ARCH_QK_PERMUTED)}"
         )
     return arch
@@ -104,7 +105,9 @@ def read_config(reader: GGUFReader) -> ModelConfig | Gemma3Config:
     hidden = meta("embedding_length")
     head_dim = meta("attention.key_length", meta("rope.dimension_count", hidden // num_heads))
     if meta("rope.dimension_count", head_dim) != head_dim:
-        raise ValueError(f"{arch}.rope.dimension_count: partial rotary embeddings not supported")
+        raise CheckpointError(
+            f"{arch}.rope.dimension_count: partial rotary embeddings not supported"
+        )
     theta = float(meta("rope.freq_base", 10000.0))
     return ModelConfig(
         vocab_size=meta("vocab_size", None) or _vocab_size(reader),
@@ -139,7 +142,7 @@ def read_gemma3_config(reader: GGUFReader) -> Gemma3Config:
 
     num_layers, head_dim = meta("block_count"), meta("attention.key_length")
     if meta("attention.value_length", head_dim) != head_dim:
-        raise ValueError("gemma3.attention.value_length: must equal attention.key_length")
+        raise CheckpointError("gemma3.attention.value_length: must equal attention.key_length")
     theta = float(meta("rope.freq_base", 1_000_000.0))
     layer_types = _gemma3_layer_types(meta("attention.sliding_window_pattern", None), num_layers)
     return Gemma3Config(
@@ -168,7 +171,7 @@ def _gemma3_layer_types(pattern: list[bool] | None, num_layers: int) -> tuple[st
     if pattern is None:
         return default_layer_types(num_layers)
     if len(pattern) != num_layers:
-        raise ValueError(f"gemma3.attention.sliding_window_pattern: {len(pattern)} entries")
+        raise CheckpointError(f"gemma3.attention.sliding_window_pattern: {len(pattern)} entries")
     return tuple(SLIDING if is_sliding else FULL for is_sliding in pattern)
 
 
@@ -185,14 +188,16 @@ def _end_of_generation_ids(reader: GGUFReader, end_tokens: tuple[str, ...] = ())
 
 
 def _vocab_size(reader: GGUFReader) -> int:
-    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise MissingFieldError("GGUF tensor 'token_embd.weight' is missing")
     return int(embed.shape[1])  # ggml order: (hidden, vocab)
 
 
 def _uniform(value: int | list[int], key: str) -> int:
     if isinstance(value, list):
         if len(set(value)) != 1:
-            raise ValueError(f"attention.{key}: per-layer values {value} are not supported")
+            raise CheckpointError(f"attention.{key}: per-layer values {value} are not supported")
         return value[0]
     return value
 
@@ -208,7 +213,9 @@ def _rope_scaling(reader: GGUFReader, arch: str, head_dim: int, theta: float) ->
         return None
     if kind == "linear":
         return RopeScaling("linear", float(metadata(reader, f"{arch}.rope.scaling.factor")))
-    raise ValueError(f"{arch}.rope.scaling.type: {kind!r} not supported; supported: none, linear")
+    raise CheckpointError(
+        f"{arch}.rope.scaling.type: {kind!r} not supported; supported: none, linear"
+    )
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str:
@@ -218,7 +225,7 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
     block_names = _ARCH_BLOCK_NAMES.get(arch, _BLOCK_NAMES)
     match = _BLOCK_RE.fullmatch(gguf_name)
     if match is None or match.group(2) not in block_names:
-        raise ValueError(f"GGUF tensor {gguf_name!r} has no {arch} counterpart")
+        raise CheckpointError(f"GGUF tensor {gguf_name!r} has no {arch} counterpart")
     layer, kind, suffix = match.groups()
     return f"layers.{layer}.{block_names[kind]}.{suffix}"
 
@@ -235,7 +242,7 @@ def _dequantize(tensor: ReaderTensor) -> torch.Tensor:
     try:
         array = dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as e:
-        raise ValueError(f"GGUF tensor {tensor.name!r}: {e}") from e
+        raise CheckpointError(f"GGUF tensor {tensor.name!r}: {e}") from e
     return torch.from_numpy(np.array(array, dtype=np.float32))
 
 
@@ -252,13 +259,15 @@ def load_gguf(
     if not ARCH_QK_PERMUTED[arch]:
         heads = {}
     state_dict: dict[str, torch.Tensor] = {}
-    tensors = [t for t in reader.tensors if t.name != _ROPE_FREQS]
-    for tensor in tqdm(tensors, desc="Loading GGUF", unit="tensor", disable=not progress):
+    # every name is mapped before any tensor is dequantised: an unknown one loads nothing
+    tensors = {hf_name(t.name, arch): t for t in reader.tensors if t.name != _ROPE_FREQS}
+    bar = tqdm(tensors.items(), desc="Loading GGUF", unit="tensor", disable=not progress)
+    for name, tensor in bar:
         weight = _dequantize(tensor)
         kind = tensor.name.split(".")[-2]
         if kind in heads:
             weight = unpermute_qk(weight, heads[kind])
         if arch in NORM_PLUS_ONE and tensor.name.endswith("norm.weight"):
             weight = weight - 1.0
-        state_dict[hf_name(tensor.name, arch)] = weight.to(torch_dtype)
+        state_dict[name] = weight.to(torch_dtype)
     return Checkpoint(config, state_dict)

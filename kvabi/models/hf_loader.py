@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from kvabi.models.checkpoint import AnyConfig, Checkpoint, parse_dtype
 from kvabi.models.config import ModelConfig, RopeScaling, eos_ids, token_ids
+from kvabi.models.errors import CheckpointError, MissingFieldError, UnknownArchitectureError
 from kvabi.models.expert_weights import merge_expert_weights
 from kvabi.models.gemma3_config import Gemma3Config, gemma3_weight_name, read_gemma3_config
 from kvabi.models.gemma4_config import Gemma4Config, gemma4_weight_name, read_gemma4_config
@@ -53,7 +54,9 @@ def _rope(raw: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     if rope_type == "llama3":
         keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         return theta, RopeScaling("llama3", *(params[k] for k in keys))
-    raise ValueError(f"rope_type {rope_type!r} not supported; supported: default, linear, llama3")
+    raise CheckpointError(
+        f"rope_type {rope_type!r} not supported; supported: default, linear, llama3"
+    )
 
 
 def _biases(raw: Mapping[str, Any], model_type: str) -> dict[str, bool]:
@@ -70,23 +73,35 @@ def _biases(raw: Mapping[str, Any], model_type: str) -> dict[str, bool]:
 def _sliding_window(raw: Mapping[str, Any], model_type: str) -> int | None:
     if model_type == "qwen2":
         if raw.get("use_sliding_window"):
-            raise ValueError("use_sliding_window: per-layer sliding windows are not supported")
+            raise CheckpointError("use_sliding_window: per-layer sliding windows are not supported")
         return None
     return raw.get("sliding_window") if model_type == "mistral" else None
 
 
 def read_hf_config(raw: Mapping[str, Any], extra_eos: tuple[int, ...] = ()) -> AnyConfig:
     """config.json contents -> ModelConfig (or the architecture's own config); `extra_eos`
-    comes from generation_config.json."""
+    comes from generation_config.json. An unknown `model_type` or a missing key raises a
+    `CheckpointError` naming it."""
     model_type = raw.get("model_type")
-    if model_type in OWN_READERS:
-        return OWN_READERS[model_type](raw, extra_eos)
+    if model_type is None:
+        raise MissingFieldError("config.json: 'model_type' is missing")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
+        raise UnknownArchitectureError(
             f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}"
         )
+    try:
+        return OWN_READERS.get(model_type, _read_llama_config)(raw, extra_eos)
+    except KeyError as e:
+        raise MissingFieldError(
+            f"config.json: {e.args[0]!r} is missing (model_type {model_type!r})"
+        ) from e
+
+
+def _read_llama_config(raw: Mapping[str, Any], extra_eos: tuple[int, ...]) -> ModelConfig:
+    """The Llama family (llama, mistral, qwen2)."""
+    model_type = raw["model_type"]
     if raw.get("quantization_config"):
-        raise ValueError("quantization_config: quantized HF checkpoints are not supported")
+        raise CheckpointError("quantization_config: quantized HF checkpoints are not supported")
     num_heads = raw["num_attention_heads"]
     theta, scaling = _rope(raw)
     return ModelConfig(

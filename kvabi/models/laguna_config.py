@@ -13,6 +13,7 @@ from typing import Any
 
 from kvabi.abi.descriptor import ATTN, LayerSpec
 from kvabi.models.config import config_error, eos_ids
+from kvabi.models.errors import CheckpointError
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 LAGUNA_LAYER_TYPES = (SLIDING, FULL)
@@ -131,7 +132,9 @@ def _rope(raw: Mapping[str, Any], layer_type: str) -> LagunaRope:
     params = (raw.get("rope_parameters") or {}).get(layer_type) or defaults[layer_type]
     rope_type = params.get("rope_type", "default")
     if rope_type != "default":
-        raise ValueError(f"rope_type {rope_type!r} not supported for Laguna; supported: default")
+        raise CheckpointError(
+            f"rope_type {rope_type!r} not supported for Laguna; supported: default"
+        )
     return LagunaRope(float(params["rope_theta"]), float(params.get("partial_rotary_factor", 1.0)))
 
 
@@ -140,17 +143,21 @@ def _gating(value: bool | str) -> str:
         return "per-head"
     if value == "per-element":
         return "per-element"
-    raise ValueError(f"gating: {value!r} not supported; supported: true, per-head, per-element")
+    raise CheckpointError(
+        f"gating: {value!r} not supported; supported: true, per-head, per-element"
+    )
 
 
 def read_laguna_config(raw: Mapping[str, Any], extra_eos: tuple[int, ...] = ()) -> LagunaConfig:
     """config.json of `laguna` -> LagunaConfig (HF's defaults where a key is missing)."""
     if raw.get("quantization_config"):
-        raise ValueError("quantization_config: quantized HF checkpoints are not supported")
+        raise CheckpointError("quantization_config: quantized HF checkpoints are not supported")
     if raw.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act: {raw['hidden_act']!r} not supported; supported: silu")
+        raise CheckpointError(f"hidden_act: {raw['hidden_act']!r} not supported; supported: silu")
     if raw.get("moe_apply_router_weight_on_input"):
-        raise ValueError("moe_apply_router_weight_on_input: not supported (nor by transformers)")
+        raise CheckpointError(
+            "moe_apply_router_weight_on_input: not supported (nor by transformers)"
+        )
     num_layers = raw["num_hidden_layers"]
     layer_types = tuple(raw.get("layer_types") or [FULL] * num_layers)
     heads = raw.get("num_attention_heads_per_layer") or [raw["num_attention_heads"]] * num_layers

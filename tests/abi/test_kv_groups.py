@@ -88,6 +88,27 @@ def test_bad_shares_are_refused_naming_the_problem(build, message):
         build()
 
 
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        (2, "layer 2 shares layer 2, which is not an earlier layer"),  # itself
+        (3, "layer 2 shares layer 3, which is not an earlier layer"),  # forward
+        (1, "layer 2 \\(window 0\\) shares layer 1 of another kind \\(window 512\\)"),
+    ],
+)
+def test_bad_shares_are_refused_when_read(target, message):
+    """The same checks on the text and JSON forms a reader gets from a file or a peer."""
+    model = ModelSpec((FULL, SLIDING, LayerSpec(SHARED, shares=0), FULL))
+    desc = Descriptor(model, Layout("BKNHC", 16, "bf16"))
+    text = str(desc).replace("shared@0", f"shared@{target}")
+    data = json.loads(desc.to_json())
+    data["model"]["layers"][2]["shares"] = target
+    with pytest.raises(DescriptorError, match=f"^shares: {message}"):
+        from_text(text)
+    with pytest.raises(DescriptorError, match=f"^shares: {message}"):
+        Descriptor.from_dict(data)
+
+
 def test_bad_windows_are_refused():
     with pytest.raises(DescriptorError, match="^window:"):
         LayerSpec(ATTN, 1, 8, 8, window=-1)

@@ -11,7 +11,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from kvabi.models import RopeScaling, load_gguf
+from kvabi.models import RopeScaling, gguf_loader, load_gguf
+from kvabi.models.errors import CheckpointError, MissingFieldError, UnknownArchitectureError
 from kvabi.models.gguf_loader import unpermute_qk
 from tests.models.tiny import LLAMA3_ROPE, TINY, hf_logits, make_hf, our_logits, random_ids
 
@@ -79,6 +80,7 @@ def write_gguf(
     qtype: Q,
     rope_freqs: np.ndarray | None = None,
     eot_token_id: int | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
 ) -> None:
     """Write like llama.cpp: llama permutes Q/K rows, qwen2 does not; 1-D tensors stay F32."""
     cfg = hf.config
@@ -113,6 +115,8 @@ def write_gguf(
             writer.add_tensor(target, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(target, array)
+    for name, array in (extra_tensors or {}).items():
+        writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -208,8 +212,49 @@ def test_bf16_weights(tmp_path: Path) -> None:
 def test_unknown_architecture_names_it_and_the_supported(tmp_path: Path) -> None:
     path = tmp_path / "gemma.gguf"
     write_gguf(path, make_hf("llama"), "gemma", Q.F32)
-    with pytest.raises(ValueError, match=r"'gemma'.*supported: \['gemma3', 'llama', 'qwen2'\]"):
+    with pytest.raises(
+        UnknownArchitectureError, match=r"'gemma'.*supported: \['gemma3', 'llama', 'qwen2'\]"
+    ):
         load_gguf(path, progress=False)
+
+
+def metadata_only_gguf(path: Path, arch: str, block_count: int = 2) -> Path:
+    """A GGUF of `arch` holding only its block count: every other field is missing."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(block_count)
+    writer.add_key_length(16)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize(
+    ("arch", "missing"),
+    [
+        ("llama", "'llama.attention.head_count' is missing"),
+        ("gemma3", "tensor 'token_embd.weight' is missing"),  # the vocab size is read from it
+    ],
+)
+def test_missing_field_is_named(tmp_path: Path, arch: str, missing: str) -> None:
+    path = metadata_only_gguf(tmp_path / f"{arch}.gguf", arch)
+    with pytest.raises(MissingFieldError, match=missing):
+        load_gguf(path, progress=False)
+
+
+def test_unknown_tensor_is_named_before_any_is_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "tiny.gguf"
+    sinks = {"blk.1.attn_sinks.weight": np.zeros(4, dtype=np.float32)}
+    write_gguf(path, make_hf("llama"), "llama", Q.F32, extra_tensors=sinks)
+    dequantised: list[str] = []
+    real = gguf_loader._dequantize
+    monkeypatch.setattr(gguf_loader, "_dequantize", lambda t: dequantised.append(t.name) or real(t))
+    with pytest.raises(CheckpointError, match="'blk.1.attn_sinks.weight' has no llama counterpart"):
+        load_gguf(path, progress=False)
+    assert dequantised == []
 
 
 def test_missing_file_names_the_path(tmp_path: Path) -> None:
@@ -221,5 +266,5 @@ def test_missing_file_names_the_path(tmp_path: Path) -> None:
 def test_not_a_gguf_names_the_path(tmp_path: Path) -> None:
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not a gguf file at all" * 10)
-    with pytest.raises(ValueError, match=str(junk)):
+    with pytest.raises(CheckpointError, match=str(junk)):
         load_gguf(junk)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvabi.models import RopeScaling, load_hf
+from kvabi.models.errors import CheckpointError, MissingFieldError, UnknownArchitectureError
 from kvabi.models.hf_loader import read_hf_config
 from tests.models.tiny import LLAMA3_ROPE, TINY, hf_logits, make_hf, our_logits, random_ids
 
@@ -112,18 +113,46 @@ def test_transformers4_config_spelling() -> None:
 
 
 @pytest.mark.parametrize(
-    ("change", "message"),
+    ("change", "error", "message"),
     [
-        ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported; supported: "),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
-        ({"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
-        ({"num_key_value_heads": 3}, "num_kv_heads"),
-        ({"vocab_size": 0}, "vocab_size"),
+        ({"model_type": "gpt2"}, UnknownArchitectureError, "model_type 'gpt2' is not supported; "),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, CheckpointError, "'yarn'"),
+        ({"quantization_config": {"quant_method": "awq"}}, CheckpointError, "quantization_co"),
+        ({"num_key_value_heads": 3}, CheckpointError, "num_kv_heads"),
+        ({"vocab_size": 0}, CheckpointError, "vocab_size"),
     ],
 )
-def test_bad_configs_raise(change: dict[str, object], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+def test_bad_configs_raise(change: dict[str, object], error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
         read_hf_config({**TINY, "model_type": "llama", **change})
+
+
+@pytest.mark.parametrize(
+    ("model_type", "missing"),
+    [
+        (None, "'model_type' is missing"),
+        ("llama", "'num_attention_heads' is missing \\(model_type 'llama'\\)"),
+        ("gemma3_text", "'num_attention_heads' is missing \\(model_type 'gemma3_text'\\)"),
+        ("laguna", "'num_attention_heads' is missing"),
+    ],
+)
+def test_missing_config_key_is_named(model_type: str | None, missing: str) -> None:
+    raw = {k: v for k, v in TINY.items() if k != "num_attention_heads"}
+    with pytest.raises(MissingFieldError, match=missing):
+        read_hf_config({**raw, **({"model_type": model_type} if model_type else {})})
+
+
+def test_unknown_architecture_folder_loads_no_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, folder = _saved(tmp_path, "llama")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "gpt_neox"}))
+    opened: list[str] = []
+    monkeypatch.setattr("safetensors.safe_open", lambda path, **kw: opened.append(path))
+    with pytest.raises(UnknownArchitectureError, match="'gpt_neox'"):
+        load_hf(folder, progress=False)
+    assert opened == []
 
 
 def test_missing_folder_names_the_path(tmp_path: Path) -> None:
