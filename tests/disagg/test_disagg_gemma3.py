@@ -27,7 +27,7 @@ CHAT = {
     "max_tokens": 16,
     "temperature": 0,
 }
-MODEL = ["--model", "gemma3-270m", "--dtype", "fp32", "--num-blocks", "256"]
+MODEL = ["--model", "gemma3-270m", "--dtype", "fp32", "--num-blocks", "1024"]
 
 
 def test_gemma3_through_prefill_and_decode_matches_colocated():

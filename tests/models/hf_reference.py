@@ -17,8 +17,10 @@ from tests.models.tiny import hf_logits, our_logits, our_logits_incremental, ran
 
 # fp32 logit tolerance: the attention kernels differ (HF's SDPA over a mask tensor, ours over
 # ContiguousAttention's), by a few ulps per layer; Gemma 4's four sandwich norms per layer carry
-# that through. Measured up to 8e-6 on logits up to ~3.2 (about 16 float32 ulps).
-FP32_LOGIT_TOL = 2e-5
+# that through. Measured up to 8e-6 on logits up to ~3.2 (about 16 float32 ulps) on an AVX2
+# CPU, and 2.2e-5 on an AVX-512 Zen 4 (its GEMMs block rows otherwise: the incremental path's
+# one-row forwards round apart from HF's whole prompt), hence 5e-5 (about 100 ulps).
+FP32_LOGIT_TOL = 5e-5
 
 
 def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
