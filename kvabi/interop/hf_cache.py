@@ -9,7 +9,7 @@ Sliding-window models (Gemma 3): HF's `DynamicSlidingWindowLayer` of window W ke
 last W - 1 tokens, what the next query attends to besides itself. As kvabi buffers every layer
 has the full extent of n tokens; a sliding layer's positions max(0, n - W + 1) .. n - 1 carry
 its KV and the positions before are zeros (kvabi's convention for a hybrid cache in one
-sequence's buffers).
+sequence's buffers, sliding.py).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from kvabi.abi.descriptor import ModelSpec
 from kvabi.abi.presets import preset_descriptor
 from kvabi.interop.errors import InteropError, ModelMismatchError, UnsupportedTypeError
 from kvabi.interop.model_spec import model_spec_from_hf_config
+from kvabi.interop.sliding import check_windows_held, window_start
 
 FLOAT_DTYPES = {TORCH_DTYPES[n]: n for n in ("f32", "f16", "bf16")}
 
@@ -87,7 +88,7 @@ def _num_tokens(layers: list[Any], model: ModelSpec) -> int:
 def _pad_window(held: torch.Tensor, num_tokens: int, window: int, layer_id: int) -> torch.Tensor:
     """[H, T_held, D] of the last T_held positions -> [H, num_tokens, D], zeros before the
     window's first position max(0, num_tokens - window + 1)."""
-    needed = min(num_tokens, window - 1)
+    needed = num_tokens - window_start(num_tokens, window)
     if held.shape[1] < needed:
         raise InteropError(
             f"sliding layer {layer_id} holds {held.shape[1]} tokens; at position {num_tokens} "
@@ -144,24 +145,6 @@ def buffers_to_dynamic_cache(
     ]
     # a DynamicSlidingWindowLayer fed all T tokens keeps the last window - 1 and counts T
     return DynamicCache(pairs, config=config)
-
-
-def check_windows_held(cache: CacheBuffers, num_tokens: int) -> None:
-    """Refuse an unpaged per-layer cache (buffers `'{layer}.k'`) whose sliding layer has no
-    KV (all zeros) at the first position its window needs for a query at `num_tokens`: the
-    source kept only the window of a longer sequence (e.g. read back fewer tokens than it
-    holds)."""
-    for i, spec in enumerate(cache.desc.model.layers):
-        first = max(0, num_tokens - spec.window + 1)
-        if not spec.window or first >= num_tokens:
-            continue
-        k = cache.tensors[f"{i}.k"]
-        if not k.select(cache.desc.layout.axes.index("T"), first).any():
-            raise InteropError(
-                f"sliding layer {i} (window {spec.window}) holds no KV at position {first}, "
-                f"which a query at position {num_tokens} attends to: the source kept the "
-                "window of a longer sequence"
-            )
 
 
 def cache_kwarg(model: Any) -> str:
