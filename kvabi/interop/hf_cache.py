@@ -4,6 +4,12 @@ A `DynamicLayer` holds keys and values `[batch, num_kv_heads, seq_len, head_dim]
 in HF's `half` order, token t at position t. One batch row is one sequence; `hf-dynamic` is its
 `[H, T, D]` view per layer and plane (buffer keys `'{layer}.k'`, `'{layer}.v'`). transformers is
 imported lazily: this module loads without it.
+
+Sliding-window models (Gemma 3): HF's `DynamicSlidingWindowLayer` of window W keeps only the
+last W - 1 tokens, what the next query attends to besides itself. As kvabi buffers every layer
+has the full extent of n tokens; a sliding layer's positions max(0, n - W + 1) .. n - 1 carry
+its KV and the positions before are zeros (kvabi's convention for a hybrid cache in one
+sequence's buffers, sliding.py).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from kvabi.abi.descriptor import ModelSpec
 from kvabi.abi.presets import preset_descriptor
 from kvabi.interop.errors import InteropError, ModelMismatchError, UnsupportedTypeError
 from kvabi.interop.model_spec import model_spec_from_hf_config
+from kvabi.interop.sliding import check_windows_held, window_start
 
 FLOAT_DTYPES = {TORCH_DTYPES[n]: n for n in ("f32", "f16", "bf16")}
 
@@ -28,32 +35,69 @@ FLOAT_DTYPES = {TORCH_DTYPES[n]: n for n in ("f32", "f16", "bf16")}
 def dynamic_cache_to_buffers(cache: Any, model: ModelSpec, batch_index: int = 0) -> CacheBuffers:
     """Row `batch_index` of an HF `DynamicCache` as `hf-dynamic` buffers.
 
-    The buffers are views of the cache's tensors when those are on the CPU and contiguous
-    (a `DynamicLayer` replaces its tensors when it grows, so the views stay valid); otherwise
-    copies.
+    Full-attention layers' buffers are views of the cache's tensors when those are on the CPU
+    and contiguous (a `DynamicLayer` replaces its tensors when it grows, so the views stay
+    valid); otherwise copies. A sliding layer becomes a zero-padded copy (module docstring).
 
     `model` describes the HF model's cache (`model_spec_from_hf_config`): its pairing is the
-    order HF keeps K in (`half` for Llama-family models). The dtype is the cache's own.
+    order HF keeps K in (`half` for Llama-family models) and its windows are the layers'. The
+    dtype is the cache's own. Raises ModelMismatchError when the cache's layers are not the
+    model's (count, sliding or not, window), InteropError when the layers disagree on the
+    number of tokens or a sliding layer holds fewer than its window needs.
     """
-    from transformers.cache_utils import DynamicLayer
-
     layers = list(cache.layers)
     if len(layers) != model.num_layers:
         raise ModelMismatchError(
             f"the cache has {len(layers)} layers, the model {model.num_layers}"
         )
+    num_tokens = _num_tokens(layers, model)
     tensors: dict[str, torch.Tensor] = {}
-    for i, layer in enumerate(layers):
-        sliding = getattr(layer, "is_sliding", False)
-        if not isinstance(layer, DynamicLayer) or sliding or getattr(layer, "keys", None) is None:
-            raise InteropError(
-                f"layer {i} is a {type(layer).__name__} (sliding: {sliding}); only filled "
-                "full-attention DynamicLayers map"
-            )
-        tensors[f"{i}.k"] = layer.keys[batch_index].detach().cpu().contiguous()  # [H, T, D]
-        tensors[f"{i}.v"] = layer.values[batch_index].detach().cpu().contiguous()  # [H, T, D]
+    for i, (layer, spec) in enumerate(zip(layers, model.layers, strict=True)):
+        for plane, held in (("k", layer.keys), ("v", layer.values)):
+            row = held[batch_index].detach()  # [H, T_held, D]
+            if spec.window:
+                row = _pad_window(row, num_tokens, spec.window, i)
+            tensors[f"{i}.{plane}"] = row.cpu().contiguous()  # [H, T, D]
     desc = preset_descriptor("hf-dynamic", model, dtype=_dtype_name(tensors["0.k"].dtype))
     return CacheBuffers(desc, tensors)
+
+
+def _num_tokens(layers: list[Any], model: ModelSpec) -> int:
+    """The sequence length every layer agrees on (a sliding layer counts what it has seen)."""
+    from transformers.cache_utils import DynamicLayer
+
+    counts = set()
+    for i, (layer, spec) in enumerate(zip(layers, model.layers, strict=True)):
+        if not isinstance(layer, DynamicLayer) or getattr(layer, "keys", None) is None:
+            raise InteropError(
+                f"layer {i} is a {type(layer).__name__}; only filled DynamicLayers and "
+                "DynamicSlidingWindowLayers map"
+            )
+        window = layer.sliding_window if getattr(layer, "is_sliding", False) else 0
+        if window != spec.window:
+            raise ModelMismatchError(
+                f"layer {i}: the cache's window is {window}, the model's {spec.window} "
+                "(0: full attention)"
+            )
+        counts.add(layer.cumulative_length if window else layer.keys.shape[-2])
+    if len(counts) != 1:
+        raise InteropError(f"the layers hold different numbers of tokens: {sorted(counts)}")
+    return counts.pop()
+
+
+def _pad_window(held: torch.Tensor, num_tokens: int, window: int, layer_id: int) -> torch.Tensor:
+    """[H, T_held, D] of the last T_held positions -> [H, num_tokens, D], zeros before the
+    window's first position max(0, num_tokens - window + 1)."""
+    needed = num_tokens - window_start(num_tokens, window)
+    if held.shape[1] < needed:
+        raise InteropError(
+            f"sliding layer {layer_id} holds {held.shape[1]} tokens; at position {num_tokens} "
+            f"its window of {window} needs the last {needed}"
+        )
+    out = held.new_zeros(held.shape[0], num_tokens, held.shape[2])  # [H, T, D]
+    if needed:
+        out[:, num_tokens - needed :] = held[:, held.shape[1] - needed :]
+    return out
 
 
 def buffers_to_dynamic_cache(
@@ -67,7 +111,9 @@ def buffers_to_dynamic_cache(
     """A `DynamicCache` (batch 1) holding the first `num_tokens` tokens of any kvabi cache.
 
     The cache converts to `hf-dynamic` for a model with `config` (K re-ordered to HF's pairing,
-    values decoded); `config`'s geometry must match the cache's model. `dtype` defaults to the
+    values decoded); `config`'s geometry and windows must match the cache's model. A sliding
+    layer keeps exactly what HF keeps after a prefill of those tokens (the last window - 1).
+    `dtype` defaults to the
     source's float dtype (float32 for a quantised source). A paged source needs `num_tokens`
     and, unless its blocks are 0, 1, ..., `block_ids`.
     """
@@ -77,9 +123,7 @@ def buffers_to_dynamic_cache(
     hf_model = model_spec_from_hf_config(config, fingerprint=src.model.fingerprint)
     if hf_model.layers != src.model.layers:
         raise ModelMismatchError(
-            f"config geometry {hf_model.layers[0]} x{hf_model.num_layers} "
-            f"differs from the cache's {src.model.layers[0]} "
-            f"x{src.model.num_layers}"
+            f"config geometry {_geometry(hf_model)} differs from the cache's {_geometry(src.model)}"
         )
     if dtype is None:
         dtype = TORCH_DTYPES[src.layout.dtype] if src.layout.quant == "none" else torch.float32
@@ -91,6 +135,7 @@ def buffers_to_dynamic_cache(
         num_tokens = cache.extent
     dst = preset_descriptor("hf-dynamic", hf_model, dtype=_dtype_name(dtype))
     out = convert(cache, dst, num_tokens=num_tokens, src_block_ids=block_ids)
+    check_windows_held(out, num_tokens)
     pairs = [
         (
             out.tensors[f"{i}.k"].unsqueeze(0).to(device),  # [1, H, T, D]
@@ -98,6 +143,7 @@ def buffers_to_dynamic_cache(
         )
         for i in range(hf_model.num_layers)
     ]
+    # a DynamicSlidingWindowLayer fed all T tokens keeps the last window - 1 and counts T
     return DynamicCache(pairs, config=config)
 
 
@@ -118,6 +164,12 @@ def output_cache(outputs: Any) -> Any:
     if "cache" in outputs:
         return outputs["cache"]
     return outputs["past_key_values"]
+
+
+def _geometry(model: ModelSpec) -> str:
+    first = model.layers[0]
+    windows = sorted({x.window for x in model.layers})
+    return f"{first.num_kv_heads}x{first.k_dim} x{model.num_layers} layers, windows {windows}"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -11,6 +11,11 @@ u32 v_trans, u32 n_layer, n_layer x K (i32 type, u64 row_bytes, rows), then n_la
 as K when v_trans = 0, else (i32 type, u32 elem_bytes, u32 n_embd_v_gqa, V^T
 [n_embd_v_gqa][cell_count] elements). See docs: kv-layouts.md section 3.2.
 
+A sliding-window model (Gemma 3) has llama.cpp's iSWA cache, two KVCaches: the state is the
+base cache's Memory (the full-attention layers, ascending), then the SWA cache's Memory (the
+sliding layers), each with its own cells (`llama_kv_cache_iswa::state_write`; the bundled
+llama.cpp writes, for one seq, the SWA cells its last position still sees: the last n_swa).
+
 This module only parses and writes bytes; llamacpp_model.py maps them to kvabi buffers.
 """
 
@@ -63,12 +68,14 @@ class KvStream:
 
 @dataclass(frozen=True, eq=False)
 class LlamaState:
-    """A parsed state buffer: its form, header fields and the KV streams."""
+    """A parsed state buffer: its form, header fields and the KV streams; `swa_streams` are the
+    second (SWA) cache's of an iSWA state, () when the state has one cache."""
 
     streams: tuple[KvStream, ...]
     form: str = "seq-v3"
     seq_id: int = 0  # seq-v3 only: the seq it was read from (ignored on restore)
     arch: str = ""  # full only
+    swa_streams: tuple[KvStream, ...] = ()
 
     def __post_init__(self) -> None:
         if self.form not in FORMS:
@@ -105,6 +112,7 @@ def parse_state(
     """Parse a state buffer. `form`: `seq` (v3 if it starts with io_magic, else v2), one of
     FORMS, or `full`. `cell_ext`: the model writes M-RoPE's extra cell fields (not in the bytes).
 
+    Bytes after the first Memory are an iSWA state's second one (`swa_streams`).
     Raises StateMagicError, StateTruncatedError, or StateFormatError for trailing bytes.
     """
     cur = _Cursor(data)
@@ -125,11 +133,23 @@ def parse_state(
     elif first == IO_MAGIC:
         raise StateMagicError("a seq-v2 state has no io_magic; this buffer is seq-v3")
     streams = _parse_memory(cur, cell_ext)
+    swa_streams = _parse_swa_memory(cur, cell_ext) if cur.at != len(cur.buf) else ()
     if cur.at != len(cur.buf):
         raise StateFormatError(
             f"{len(cur.buf) - cur.at} trailing bytes after the state (offset {cur.at})"
         )
-    return LlamaState(streams, form, seq_id, arch)
+    return LlamaState(streams, form, seq_id, arch, swa_streams)
+
+
+def _parse_swa_memory(cur: _Cursor, cell_ext: bool) -> tuple[KvStream, ...]:
+    start = cur.at
+    try:
+        return _parse_memory(cur, cell_ext)
+    except (StateMagicError, StateTruncatedError) as err:
+        raise StateFormatError(
+            f"{len(cur.buf) - start} trailing bytes after the state (offset {start}) that are "
+            f"not a second (SWA) cache: {err}"
+        ) from err
 
 
 def _parse_memory(cur: _Cursor, cell_ext: bool) -> tuple[KvStream, ...]:
@@ -187,9 +207,10 @@ def write_state(state: LlamaState) -> bytes:
     elif state.form == "full":
         arch = state.arch.encode()
         parts += [struct.pack("<I", len(arch)), arch]
-    parts.append(struct.pack("<I", len(state.streams)))
-    for stream in state.streams:
-        parts += _stream_bytes(stream)
+    for memory in (state.streams, state.swa_streams) if state.swa_streams else (state.streams,):
+        parts.append(struct.pack("<I", len(memory)))
+        for stream in memory:
+            parts += _stream_bytes(stream)
     return b"".join(parts)
 
 

@@ -44,8 +44,12 @@ NEOX_ARCHS = frozenset(
         "falcon",
         "olmo2",
         "starcoder2",
+        "gemma3",
     }
 )
+# llama.cpp's iSWA archs: the default sliding-window pattern (layer il slides unless
+# il % n == n - 1), used when the GGUF has no `attention.sliding_window_pattern`.
+SWA_PATTERN_ARCHS = {"gemma3": 6}
 
 
 def gguf_fingerprint(source: str | Path | Any) -> str:
@@ -79,23 +83,49 @@ def state_dict_fingerprint(state_dict: dict[str, torch.Tensor]) -> str:
 def model_spec_from_hf_config(
     config: Any, fingerprint: str = "", rope_pairing: str = "half"
 ) -> ModelSpec:
-    """The cache an HF model with this config holds: K after RoPE, in HF's `half` order."""
+    """The cache an HF model with this config holds: K after RoPE, in HF's `half` order.
+
+    Layers are full attention or sliding (`swa`, with HF's `sliding_window`: a query sees that
+    many keys, itself included), as HF's own `DynamicCache` builds them from the config; other
+    layer types are refused.
+    """
     cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     num_heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
     num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
-    kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
-    if kinds != {"full_attention"}:
-        raise InteropError(f"layer types {sorted(kinds)}: only full-attention models are mapped")
     factor = getattr(cfg, "partial_rotary_factor", 1.0) or 1.0
     rope_dim = 0 if factor >= 1.0 else int(head_dim * factor)
-    layer = LayerSpec(num_kv_heads=num_kv_heads, k_dim=head_dim, v_dim=head_dim)
     return ModelSpec(
-        layers=(layer,) * cfg.num_hidden_layers,
+        layers=tuple(
+            LayerSpec(num_kv_heads=num_kv_heads, k_dim=head_dim, v_dim=head_dim, window=w)
+            for w in _hf_layer_windows(cfg)
+        ),
         fingerprint=fingerprint,
         rope_pairing=rope_pairing,
         rope_dim=rope_dim,
     )
+
+
+def _hf_layer_windows(cfg: Any) -> list[int]:
+    """Each layer's window (0: full attention) as HF's DynamicCache reads the config."""
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    if len(types) != cfg.num_hidden_layers:
+        raise InteropError(f"{len(types)} layer types for {cfg.num_hidden_layers} layers")
+    if "sliding_attention" in types:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        types, kwargs = get_layer_types_and_kwargs(cfg)
+    else:
+        kwargs = [{}] * len(types)
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise InteropError(
+            f"layer types {unknown}: only full_attention and sliding_attention layers are mapped"
+        )
+    windows = [int(kw.get("sliding_window") or 0) for kw in kwargs]
+    if any(w < 1 for w, t in zip(windows, types, strict=True) if t == "sliding_attention"):
+        raise InteropError(f"sliding layers without a sliding_window > 0: {windows}")
+    return windows
 
 
 def model_spec_from_gguf(
@@ -158,12 +188,32 @@ def model_spec_from_gguf_metadata(
     if len(heads) != num_layers or min(heads) < 1:
         raise InteropError(f"per-layer KV heads {heads}: layers without KV are not mapped")
     rope_dim = int(get("rope.dimension_count", k_dim))
+    windows = _gguf_windows(arch, meta, num_layers)
     return ModelSpec(
-        layers=tuple(LayerSpec(num_kv_heads=h, k_dim=k_dim, v_dim=v_dim) for h in heads),
+        layers=tuple(
+            LayerSpec(num_kv_heads=h, k_dim=k_dim, v_dim=v_dim, window=w)
+            for h, w in zip(heads, windows, strict=True)
+        ),
         fingerprint=fingerprint,
         rope_pairing=pairing,
         rope_dim=0 if rope_dim == k_dim else rope_dim,
     )
+
+
+def _gguf_windows(arch: str, meta: Mapping[str, Any], num_layers: int) -> list[int]:
+    """Each layer's window as llama.cpp's iSWA archs set it (`load_swa_pattern`)."""
+    window = int(meta.get(f"{arch}.attention.sliding_window") or 0)
+    if arch not in SWA_PATTERN_ARCHS or window <= 0:
+        return [0] * num_layers
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", SWA_PATTERN_ARCHS[arch])
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers:
+            raise InteropError(
+                f"sliding_window_pattern has {len(pattern)} entries, not {num_layers}"
+            )
+        return [window if is_swa else 0 for is_swa in pattern]
+    n = int(pattern)
+    return [window if n == 0 or i % n < n - 1 else 0 for i in range(num_layers)]
 
 
 def _reader(source: str | Path | Any) -> Any:

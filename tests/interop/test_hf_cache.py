@@ -153,10 +153,13 @@ def test_refusals(model: LlamaForCausalLM, spec) -> None:
         dynamic_cache_to_buffers(ints, spec)
     sliding = LlamaConfig(**{**model.config.to_dict(), "sliding_window": 8,
                              "layer_types": ["sliding_attention", "full_attention"]})  # fmt: skip
-    with pytest.raises(InteropError, match="sliding"):
+    with pytest.raises(InteropError, match="only filled"):
         dynamic_cache_to_buffers(DynamicCache(config=sliding), spec)
-    with pytest.raises(InteropError, match="full-attention"):
-        model_spec_from_hf_config(sliding)
+    assert [x.window for x in model_spec_from_hf_config(sliding).layers] == [8, 0]
+    chunked = LlamaConfig(**{**model.config.to_dict(), "attention_chunk_size": 8,
+                             "layer_types": ["chunked_attention", "full_attention"]})  # fmt: skip
+    with pytest.raises(InteropError, match="chunked_attention"):
+        model_spec_from_hf_config(chunked)
 
 
 def test_cache_kwarg(model: LlamaForCausalLM) -> None:
