@@ -9,17 +9,23 @@
 - `replay_hit_rate`: a trace through the engine's own scheduler, block pool and prefix cache
   with a pool of a given size and no model (each output token is a filler): the hit rate that
   pool capacity gets. It runs in milliseconds, so the capacity curve is measured, not modelled.
+  `layers` gives the model's layer kinds and windows (`replay_layers`), so a hybrid model's
+  block groups replay as the engine runs them; the geometry is shrunk to one number per token.
+
+The ceiling holds for hybrid models too: an infinite cache keeps every group's blocks, so a
+sliding group always has the window before the hit point, and full attention decides.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvabi.abi.block_hash import hash_blocks, root_hash
 from kvabi.abi.descriptor import ATTN, LayerSpec, ModelSpec
 from kvabi.abi.presets import preset_descriptor
+from kvabi.cache.block_groups import plan_groups
 from kvabi.cache.kv_cache import KVCache
 from kvabi.engine.sampling_params import SamplingParams
 from kvabi.engine.scheduler import Scheduler, SchedulerConfig
@@ -27,6 +33,7 @@ from kvabi.engine.sequence import Sequence as Seq
 
 DIGEST = "0" * 32  # the replay's own model: any digest gives the same hit counts
 FILLER_TOKEN = 0
+ONE_LAYER = (LayerSpec(ATTN, 1, 1, 1),)  # the replay needs ids and hashes, hardly any storage
 
 
 @dataclass(frozen=True)
@@ -103,12 +110,41 @@ def ceiling_hit_tokens(prompts: Sequence[Sequence[int]], block_size: int) -> tup
     return hits, queried
 
 
+def replay_layers(layers: Sequence[LayerSpec]) -> tuple[LayerSpec, ...]:
+    """A model's layers for the replay: kinds, windows and sharing kept, 1-wide KV."""
+    return tuple(
+        replace(x, num_kv_heads=1, k_dim=1, v_dim=1) if x.kind == ATTN else x for x in layers
+    )
+
+
+def num_block_groups(layers: Sequence[LayerSpec]) -> int:
+    """How many block tables a sequence of this model has (1 for a uniform model)."""
+    return len(plan_groups(ModelSpec(tuple(layers), DIGEST)).groups)
+
+
+def smallest_pool(
+    prompts: Sequence[Sequence[int]],
+    block_size: int,
+    max_tokens: int,
+    layers: Sequence[LayerSpec] = ONE_LAYER,
+) -> int:
+    """Blocks that hold the longest request whole in every block group, plus one each."""
+    per_group = -(-(max(map(len, prompts)) + max_tokens) // block_size) + 1
+    return num_block_groups(layers) * per_group
+
+
 def replay_hit_rate(
-    prompts: Sequence[Sequence[int]], num_blocks: int, block_size: int, max_tokens: int
+    prompts: Sequence[Sequence[int]],
+    num_blocks: int,
+    block_size: int,
+    max_tokens: int,
+    layers: Sequence[LayerSpec] = ONE_LAYER,
 ) -> float:
     """The hit rate of a pool of `num_blocks` on the trace, one request at a time, no model."""
-    layer = LayerSpec(ATTN, 1, 1, 1)  # the replay needs ids and hashes, hardly any storage
-    model = ModelSpec((layer,), DIGEST)
+    smallest = smallest_pool(prompts, block_size, max_tokens, layers)
+    if num_blocks < smallest:  # the scheduler would wait for blocks forever
+        raise ValueError(f"num_blocks: {num_blocks} cannot hold a request; needs {smallest}")
+    model = ModelSpec(replay_layers(layers), DIGEST)
     desc = preset_descriptor("vllm-flash-attn", model, block_size=block_size, dtype="f32")
     config = SchedulerConfig(max_num_batched_tokens=max(len(p) for p in prompts) + max_tokens)
     sched = Scheduler(config, KVCache(desc, num_blocks))
@@ -129,16 +165,24 @@ def replay_hit_rate(
 
 
 def capacity_curve(
-    prompts: Sequence[Sequence[int]], block_size: int, max_tokens: int
+    prompts: Sequence[Sequence[int]],
+    block_size: int,
+    max_tokens: int,
+    layers: Sequence[LayerSpec] = ONE_LAYER,
 ) -> tuple[list[int], list[float]]:
     """Replayed hit rates for pool sizes doubling from the smallest that holds one request
-    to twice the trace's distinct blocks (where every pool reaches the ceiling)."""
-    smallest = -(-(max(map(len, prompts)) + max_tokens) // block_size) + 1
+    to twice the trace's distinct blocks (where every pool reaches the ceiling); every block
+    group of the model takes its blocks from the one pool."""
+    smallest = smallest_pool(prompts, block_size, max_tokens, layers)
     root = root_hash(DIGEST)
-    distinct = len({h for p in prompts for h in hash_blocks(p, block_size, root)})
+    distinct = num_block_groups(layers) * len(
+        {h for p in prompts for h in hash_blocks(p, block_size, root)}
+    )
     capacities, c = [], smallest
     while c < 2 * (distinct + smallest):
         capacities.append(c)
         c *= 2
     capacities.append(2 * (distinct + smallest))
-    return capacities, [replay_hit_rate(prompts, c, block_size, max_tokens) for c in capacities]
+    return capacities, [
+        replay_hit_rate(prompts, c, block_size, max_tokens, layers) for c in capacities
+    ]
