@@ -2,8 +2,11 @@
 
 - model_spec.py: a `ModelSpec` from an HF config or a GGUF file (geometry, RoPE pairing,
   fingerprint).
-- hf_cache.py: `DynamicCache` <-> `hf-dynamic` buffers; the forward's cache keyword.
-- llamacpp_state.py: parse and write llama.cpp's state byte grammar (seq v3/v2, full state).
+- sliding.py: a sliding-window (hybrid) cache as one sequence's buffers: full extent, only the
+  window of the next position carried.
+- hf_cache.py: `DynamicCache` (sliding layers too) <-> `hf-dynamic` buffers; the cache keyword.
+- llamacpp_state.py: parse and write llama.cpp's state byte grammar (seq v3/v2, full state;
+  iSWA: base then SWA cache).
 - llamacpp_model.py: parsed states <-> `llamacpp-*` buffers, in a target context's format.
 - llamacpp_context.py: a live llama-cpp-python `Llama`: get/set a seq's state, restore.
 - vllm_cache.py: vLLM's CPU cache tensors viewed as `vllm-cpu-*` buffers (vllm not imported).

@@ -24,10 +24,11 @@ from kvabi.abi.buffers import CacheBuffers
 from kvabi.abi.codec import TORCH_DTYPES
 from kvabi.abi.convert import convert
 from kvabi.abi.descriptor import ModelSpec
+from kvabi.abi.kv_groups import window_start
 from kvabi.abi.presets import preset_descriptor
 from kvabi.interop.errors import InteropError, ModelMismatchError, UnsupportedTypeError
 from kvabi.interop.model_spec import model_spec_from_hf_config
-from kvabi.interop.sliding import check_windows_held, window_start
+from kvabi.interop.sliding import check_windows_held
 
 FLOAT_DTYPES = {TORCH_DTYPES[n]: n for n in ("f32", "f16", "bf16")}
 
@@ -88,7 +89,7 @@ def _num_tokens(layers: list[Any], model: ModelSpec) -> int:
 def _pad_window(held: torch.Tensor, num_tokens: int, window: int, layer_id: int) -> torch.Tensor:
     """[H, T_held, D] of the last T_held positions -> [H, num_tokens, D], zeros before the
     window's first position max(0, num_tokens - window + 1)."""
-    needed = num_tokens - window_start(num_tokens, window)
+    needed = num_tokens - window_start(window, num_tokens)
     if held.shape[1] < needed:
         raise InteropError(
             f"sliding layer {layer_id} holds {held.shape[1]} tokens; at position {num_tokens} "

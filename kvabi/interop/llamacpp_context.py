@@ -61,6 +61,8 @@ def restore_sequence(
     The cache (any layout) must hold at least the first len(token_ids) - 1 tokens; `model` is
     llama.cpp's side (`model_spec_from_gguf` / `model_spec_from_llama`). Replaces what `llm`
     held; its KV for all but the last token comes from `cache`, the last token is decoded.
+    A sliding-window model's cache must hold the window of position len(token_ids) - 1: a
+    cache exported after all of `token_ids` does not (sliding.py), and is refused.
     """
     if not token_ids:
         raise InteropError("restoring needs at least one token (the one to decode)")

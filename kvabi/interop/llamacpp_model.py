@@ -21,6 +21,7 @@ import torch
 from kvabi.abi.buffers import CacheBuffers, buffer_specs
 from kvabi.abi.convert import convert
 from kvabi.abi.descriptor import ATTN, Descriptor, ModelSpec
+from kvabi.abi.kv_groups import window_start
 from kvabi.abi.presets import preset_descriptor
 from kvabi.interop.errors import (
     InteropError,
@@ -30,7 +31,7 @@ from kvabi.interop.errors import (
 )
 from kvabi.interop.llamacpp_state import Cell, KvStream, LlamaState, StateTensor, parse_state
 from kvabi.interop.llamacpp_state import write_state as _write
-from kvabi.interop.sliding import check_windows_held, window_start
+from kvabi.interop.sliding import check_windows_held
 
 # ggml type id -> name; each has a `llamacpp-<name>` layout (q4/q5: the q8_0 preset's rows with
 # another ggml block codec; bf16-vtrans: the bf16 preset with V^T).
@@ -172,7 +173,7 @@ def _cache_layers(model: ModelSpec, num_tokens: int) -> list[tuple[list[int], in
     windows = {model.layers[i].window for i in sliding}
     if len(windows) > 1:
         raise UnsupportedTypeError(f"windows {sorted(windows)}: llama.cpp has one n_swa")
-    return [(full, 0), (sliding, window_start(num_tokens, windows.pop()))]
+    return [(full, 0), (sliding, window_start(windows.pop(), num_tokens))]
 
 
 def _sections(state: LlamaState, model: ModelSpec, seq_id: int | None) -> list[_Section]:

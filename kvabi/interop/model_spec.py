@@ -212,6 +212,11 @@ def _gguf_windows(arch: str, meta: Mapping[str, Any], num_layers: int) -> list[i
                 f"sliding_window_pattern has {len(pattern)} entries, not {num_layers}"
             )
         return [window if is_swa else 0 for is_swa in pattern]
+    if isinstance(pattern, str) and not pattern.isdigit():
+        raise InteropError(
+            f"sliding_window_pattern {pattern[:40]!r}: read per-layer patterns from the GGUF "
+            "(model_spec_from_gguf)"
+        )
     n = int(pattern)
     return [window if n == 0 or i % n < n - 1 else 0 for i in range(num_layers)]
 

@@ -2,7 +2,7 @@
 
 Every owner layer's buffers have the full extent of the sequence's n tokens. A sliding layer of
 window W (a query at position t sees keys t - W + 1 .. t) carries KV only at the positions the
-next query, at position n, attends to besides itself: `window_start(n, W)` .. n - 1; the
+next query, at position n, attends to besides itself: `window_start(W, n)` .. n - 1; the
 positions before are zeros. Engines keep less (HF: the last W - 1) or more (llama.cpp's SWA
 cache: the last W); the adapters map both to exactly this.
 """
@@ -10,12 +10,8 @@ cache: the last W); the adapters map both to exactly this.
 from __future__ import annotations
 
 from kvabi.abi.buffers import CacheBuffers
+from kvabi.abi.kv_groups import window_start
 from kvabi.interop.errors import InteropError
-
-
-def window_start(num_tokens: int, window: int) -> int:
-    """The first position a query at `num_tokens` sees in a layer of `window` (0: full)."""
-    return max(0, num_tokens - window + 1) if window else 0
 
 
 def check_windows_held(cache: CacheBuffers, num_tokens: int) -> None:
@@ -25,7 +21,7 @@ def check_windows_held(cache: CacheBuffers, num_tokens: int) -> None:
     tokens than it holds)."""
     axis = cache.desc.layout.axes.index("T")
     for i, spec in enumerate(cache.desc.model.layers):
-        first = window_start(num_tokens, spec.window)
+        first = window_start(spec.window, num_tokens)
         held = first < num_tokens and cache.tensors[f"{i}.k"].select(axis, first).any()
         if spec.window and first < num_tokens and not held:
             raise InteropError(
