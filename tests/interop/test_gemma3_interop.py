@@ -6,10 +6,14 @@ the weights to float32. The prompts are ~700 tokens, so every sliding layer's wi
 511 positions before the next one) starts past position 0: the buffers carry KV at 0..n-1 on the
 3 full layers and at n-511..n-1 on the 15 sliding ones, zeros before. Measured:
 
-- K and V per layer as max |dX| / max |X| over the positions carried: MEASURED_KV.
-- next-token logits of HF continuing from llama.cpp's KV vs HF's own prefill: MEASURED_LOGITS.
+- K and V over the positions each layer carries: layer 0's max |dX| / max |X| <= 0.0094;
+  every layer's ||dX|| / ||X|| K <= 0.106, V <= 0.144; with llama.cpp's KV read one position
+  late, every layer's error is >= 5.7x that (the window placed right, not off by one).
+- next-token logits of HF continuing from llama.cpp's KV vs HF's own prefill: max |d| 0.74 to
+  2.33, as the engines' own prefills differ (1.04 to 2.27).
 - greedy decoding: identical for NUM_NEW tokens on the prompts below, whose top-2 margins stay
-  >= MEASURED_MARGIN in both engines.
+  >= 4.5 in both engines. HF's KV of a block-aligned prefix also continues in kvabi's paged
+  engine (imported per block group) with HF's greedy tokens.
 
 The source engine prefills all prompt tokens but the last, the target decodes that one: a
 restored sequence must recompute the last token's logits, and a sliding layer of a cache of n
@@ -183,11 +187,12 @@ def test_kv_of_both_engines_agree(engines: Engines, prompt: str) -> None:
     print(
         f"{prompt}: layer 0 max |dX| / max |X| K {errs[0, 0]:.4f} V {errs[0, 1]:.4f}; "
         f"||dX|| / ||X|| K <= {errs[:, 2].max():.4f}, V <= {errs[:, 3].max():.4f}; "
-        f"shifted one position >= {errs[:, 4:].min():.3f}"
+        f"shifted one position >= {errs[:, 4:].min():.3f} ({(errs[:, 4:] / errs[:, 2:4]).min():.2f}x)"
     )
     assert errs[0, :2].max() < LAYER0_TOL
     assert errs[:, 2:4].max() < KV_TOL
-    assert errs[:, 4:].min() > 2 * KV_TOL  # a window misplaced by one position fails
+    # a window misplaced by one position fails: every layer's error grows (measured >= 5.7x)
+    assert (errs[:, 4:] > 2 * errs[:, 2:4]).all(), errs[:, 2:].tolist()
 
 
 def kv_errors(ref_kv: Any, got_kv: Any, layer: int, num: int) -> list[float]:
@@ -264,7 +269,8 @@ def test_hf_kv_continues_in_kvabis_engine(engines: Engines, prompt: str) -> None
     tokens = engines.tokens(prompt)
     num = (len(tokens) - 1) // 16 * 16  # whole blocks; the rest kvabi computes
     loaded = load_model(NAME, dtype="fp32", progress=False)
-    engine = LLMEngine(loaded, EngineConfig(block_size=16, num_blocks=512))
+    config = EngineConfig(block_size=16, num_blocks=512)
+    engine = LLMEngine(loaded, config, fingerprint=engines.hf_spec.fingerprint)
     buffers = engines.hf_run(prompt, num)[0]
     hashes = engine.cache.hasher.hashes(tokens[:num], None)
     payload = KVPayload(0, tuple(tokens[:num]), tuple(hashes), buffers)
