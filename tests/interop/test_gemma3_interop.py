@@ -187,7 +187,8 @@ def test_kv_of_both_engines_agree(engines: Engines, prompt: str) -> None:
     print(
         f"{prompt}: layer 0 max |dX| / max |X| K {errs[0, 0]:.4f} V {errs[0, 1]:.4f}; "
         f"||dX|| / ||X|| K <= {errs[:, 2].max():.4f}, V <= {errs[:, 3].max():.4f}; "
-        f"shifted one position >= {errs[:, 4:].min():.3f} ({(errs[:, 4:] / errs[:, 2:4]).min():.2f}x)"
+        f"shifted one position >= {errs[:, 4:].min():.3f} "
+        f"({(errs[:, 4:] / errs[:, 2:4]).min():.2f}x)"
     )
     assert errs[0, :2].max() < LAYER0_TOL
     assert errs[:, 2:4].max() < KV_TOL
