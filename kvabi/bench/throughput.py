@@ -3,20 +3,27 @@
 Each engine runs in its own process, one after another (never two at once on this 2-core
 machine), on a seeded workload: batch 1 (TTFT and decode tokens/s) and 16 concurrent requests
 of mixed prompt and output lengths (aggregate tokens/s). Ratios are against HF measured in the
-same run. vLLM runs from `.venv-vllm` (scripts/setup_vllm.sh) when present.
+same run. The model is a bundled one by name (default SmolLM2-135M; `gemma3-270m` too): HF
+and llama.cpp load the same GGUF as kvabi. The dtype `auto` is bf16 where the CPU computes it
+natively, else fp32 (`parse_dtype`). vLLM runs from `.venv-vllm` (scripts/setup_vllm.sh) when
+present, on an HF folder of the same weights.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvabi.abi.table import print_table
 from kvabi.bench.report import write_json
+from kvabi.models.checkpoint import WEIGHT_DTYPES, parse_dtype
+from kvabi.models.registry import DEFAULT_MODEL, bundled_model_path
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -54,12 +61,25 @@ WORDS = (
 )
 
 
-def workload(quick: bool, seed: int = 0) -> dict:
-    """Seeded prompts (token ids of generated text) and output lengths."""
-    from kvabi.models.registry import bundled_model_path
+@dataclass(frozen=True)
+class Sizes:
+    batch1_prompt: int
+    batch1_new: int
+    prompt_range: tuple[int, int]  # the concurrent requests' lengths, drawn uniformly
+    new_range: tuple[int, int]
+
+
+QUICK, FULL = Sizes(200, 32, (32, 256), (16, 64)), Sizes(500, 64, (64, 512), (32, 128))
+# Gemma 3 270M is 2x SmolLM2's weights and its 262k-token LM head makes HF's steps slow here:
+# `--quick` shrinks to stay about a minute per engine on 2 cores.
+QUICK_BY_MODEL = {"gemma3-270m": Sizes(64, 8, (16, 64), (4, 16))}
+
+
+def workload(quick: bool, seed: int = 0, model: str = DEFAULT_MODEL) -> dict:
+    """Seeded prompts (token ids of generated text, in `model`'s vocabulary) and output lengths."""
     from kvabi.models.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_gguf(bundled_model_path())
+    tok = Tokenizer.from_gguf(bundled_model_path(model))
     rng = random.Random(seed)
     text = " ".join(rng.choice(WORDS) for _ in range(3000))
     corpus = tok.encode(text, add_special_tokens=False)
@@ -68,11 +88,14 @@ def workload(quick: bool, seed: int = 0) -> dict:
         start = rng.randrange(len(corpus) - n)
         return corpus[start : start + n]
 
-    p_lo, p_hi, o_lo, o_hi = (32, 256, 16, 64) if quick else (64, 512, 32, 128)
+    sizes = QUICK_BY_MODEL.get(model, QUICK) if quick else FULL
     return {
-        "batch1": {"prompt_ids": prompt(200 if quick else 500), "max_tokens": 32 if quick else 64},
+        "batch1": {"prompt_ids": prompt(sizes.batch1_prompt), "max_tokens": sizes.batch1_new},
         "concurrent": [
-            {"prompt_ids": prompt(rng.randint(p_lo, p_hi)), "max_tokens": rng.randint(o_lo, o_hi)}
+            {
+                "prompt_ids": prompt(rng.randint(*sizes.prompt_range)),
+                "max_tokens": rng.randint(*sizes.new_range),
+            }
             for _ in range(16)
         ],
     }
@@ -81,35 +104,54 @@ def workload(quick: bool, seed: int = 0) -> dict:
 def _run_worker(cmd: list[str], out: Path) -> dict | str:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
-        return f"failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr else proc.returncode}"
+        last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode
+        return str(last) if str(last).startswith("skipped:") else f"failed: {last}"
     return json.loads(out.read_text())
 
 
-def _engines(dtypes: list[str]) -> list[tuple[str, str]]:
+def _engines(dtypes: list[str], model: str) -> list[tuple[str, str]]:
     runs = [(e, d) for d in dtypes for e in ("hf", "kvabi")]
-    return runs + [("llamacpp", "q4_1"), ("vllm", "bf16")]
+    return runs + [("llamacpp", gguf_quant(model)), ("vllm", dtypes[0])]
 
 
-def run(quick: bool, json_path: str | None, dtypes: list[str] | None = None) -> dict:
-    dtypes = dtypes or (["bf16"] if quick else ["bf16", "fp32"])
-    work = workload(quick)
+def gguf_quant(model: str) -> str:
+    """The bundled GGUF's quantisation from its file name (`q4_1`, `q4_k_m`), for labels."""
+    found = re.search(r"q\d(_[a-z0-9]+)*", bundled_model_path(model).stem.lower())
+    return found.group(0) if found else "gguf"
+
+
+def dtype_names(dtypes: list[str] | None) -> list[str]:
+    """`--dtype` values as weight dtype names (`auto` resolved for this CPU), deduplicated."""
+    names = [_dtype_name(d) for d in dtypes or ["auto"]]
+    return list(dict.fromkeys(names))
+
+
+def _dtype_name(dtype: str) -> str:
+    resolved = parse_dtype(dtype)
+    return next(n for n in ("bf16", "fp32") if WEIGHT_DTYPES[n] == resolved)
+
+
+def run(
+    quick: bool, json_path: str | None, dtypes: list[str] | None = None, model: str | None = None
+) -> dict:
+    model, dtypes = model or DEFAULT_MODEL, dtype_names(dtypes)
+    work = workload(quick, model=model)
     results: dict[str, dict | str] = {}
     with tempfile.TemporaryDirectory() as tmp:
         wpath = Path(tmp) / "workload.json"
         wpath.write_text(json.dumps(work))
-        for engine, dtype in _engines(dtypes):
+        for engine, dtype in _engines(dtypes, model):
             out = Path(tmp) / f"{engine}-{dtype}.json"
-            results[f"{engine}-{dtype}"] = _run_worker(
-                _command(engine, dtype, wpath, out, tmp), out
-            )
+            cmd = _command(engine, dtype, model, wpath, out, tmp)
+            results[f"{engine}-{dtype}"] = _run_worker(cmd, out)
             print(f"  {engine} ({dtype}): done", file=sys.stderr)
-    figures = _figures(results, work, dtypes)
+    figures = {"model": model, "dtypes": dtypes} | _figures(results, work, dtypes)
     _print(figures)
     write_json(json_path, figures)
     return figures
 
 
-def _command(engine: str, dtype: str, wpath: Path, out: Path, tmp: str) -> list[str]:
+def _command(engine: str, dtype: str, model: str, wpath: Path, out: Path, tmp: str) -> list[str]:
     if engine != "vllm":
         return [
             sys.executable,
@@ -117,23 +159,22 @@ def _command(engine: str, dtype: str, wpath: Path, out: Path, tmp: str) -> list[
             "kvabi.bench.throughput_workers",
             "--engine",
             engine,
+            "--model",
+            model,
             "--workload",
             str(wpath),
             "--out",
             str(out),
             "--dtype",
-            "bf16" if engine == "llamacpp" else dtype,
+            "fp32" if engine == "llamacpp" else dtype,
         ]
     if not VLLM_PYTHON.exists():
         return [
             sys.executable,
             "-c",
-            "raise SystemExit('vLLM not installed: run scripts/setup_vllm.sh')",
+            "raise SystemExit('skipped: vLLM not installed (run scripts/setup_vllm.sh)')",
         ]
-    from kvabi.models.hf_export import export_hf_folder
-    from kvabi.models.registry import load_model
-
-    folder = export_hf_folder(load_model(dtype=dtype, progress=False), Path(tmp) / "hf")
+    folder = hf_folder(model, dtype, Path(tmp) / "hf")
     return [
         str(VLLM_PYTHON),
         str(ROOT / "kvabi" / "bench" / "vllm_worker.py"),
@@ -148,6 +189,27 @@ def _command(engine: str, dtype: str, wpath: Path, out: Path, tmp: str) -> list[
     ]
 
 
+def hf_folder(model: str, dtype: str, out_dir: Path) -> Path:
+    """The bundled model as an HF checkpoint folder (for vLLM): kvabi's own export where it
+    covers the architecture, else transformers' load of the GGUF saved back."""
+    from kvabi.models.hf_export import HF_ARCHITECTURES, export_hf_folder
+    from kvabi.models.registry import load_model
+
+    loaded = load_model(model, dtype=dtype, progress=False)
+    if loaded.config.architecture in HF_ARCHITECTURES:
+        return export_hf_folder(loaded, out_dir)
+    import transformers
+
+    path = bundled_model_path(model)
+    kwargs = {"gguf_file": path.name, "dtype": WEIGHT_DTYPES[dtype]}
+    transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), **kwargs).save_pretrained(
+        out_dir
+    )
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
 def _figures(results: dict, work: dict, dtypes: list[str]) -> dict:
     figures = {
         "workload": {
@@ -156,6 +218,7 @@ def _figures(results: dict, work: dict, dtypes: list[str]) -> dict:
             "concurrent": len(work["concurrent"]),
         },
         "engines": results,
+        "ran_on": _ran_on(results, dtypes),
     }
     for d in dtypes:
         hf, ours = results.get(f"hf-{d}"), results.get(f"kvabi-{d}")
@@ -171,6 +234,17 @@ def _figures(results: dict, work: dict, dtypes: list[str]) -> dict:
     return figures
 
 
+def _ran_on(results: dict, dtypes: list[str]) -> dict:
+    """The CPU and kernel paths, from the kvabi worker (decode_bench's `_ran_on`), and the
+    CPU features llama.cpp and torch (HF) report."""
+    ours = results.get(f"kvabi-{dtypes[0]}")
+    ran_on = dict(ours.get("ran_on", {})) if isinstance(ours, dict) else {}
+    for name, r in results.items():
+        if isinstance(r, dict) and "cpu_path" in r:
+            ran_on[f"{name.split('-')[0]}_cpu_path"] = r["cpu_path"]
+    return ran_on
+
+
 def _agreeing(a: list[int], b: list[int]) -> str:
     """'n/total': how many leading tokens two greedy runs share."""
     same = next(
@@ -183,7 +257,7 @@ def _print(figures: dict) -> None:
     rows = []
     for name, r in figures["engines"].items():
         if isinstance(r, str):
-            rows.append([name, r, "", "", "", ""])
+            rows.append([name, r[:60], "", "", "", ""])
             continue
         rows.append(
             [
@@ -197,7 +271,7 @@ def _print(figures: dict) -> None:
         )
     w = figures["workload"]
     print_table(
-        f"kvabi bench throughput: SmolLM2-135M, batch 1 = {w['batch1_prompt']}-token "
+        f"kvabi bench throughput: {figures['model']}, batch 1 = {w['batch1_prompt']}-token "
         f"prompt + {w['batch1_new']} new; {w['concurrent']} concurrent mixed requests",
         ["engine-dtype", "TTFT s", "decode tok/s", "concurrent tok/s", "wall s", "peak RSS MB"],
         rows,
@@ -206,3 +280,5 @@ def _print(figures: dict) -> None:
     print_table(
         "kvabi vs HF generate (same run; >1 means kvabi is faster)", ["figure", "value"], ratios
     )
+    ran_on = [[k, str(v)[:100]] for k, v in figures["ran_on"].items()]
+    print_table("ran on", ["what", "value"], ran_on)

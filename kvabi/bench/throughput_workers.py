@@ -1,6 +1,7 @@
 """One engine's side of `kvabi bench throughput`, run in its own process (for a clean peak RSS).
 
-`python -m kvabi.bench.throughput_workers --engine kvabi|hf|llamacpp --workload W --out O`.
+`python -m kvabi.bench.throughput_workers --engine kvabi|hf|llamacpp --model NAME --workload W
+--out O`: NAME a bundled model; HF and llama.cpp load its GGUF.
 Every engine gets the same token ids, greedy, EOS ignored, so each produces exactly the
 requested number of tokens.
 """
@@ -24,14 +25,16 @@ def _timed(fn: Callable[[], object]) -> tuple[float, object]:
     return time.perf_counter() - start, result
 
 
-def run_kvabi(work: dict, dtype: str) -> dict:
+def run_kvabi(work: dict, dtype: str, model: str) -> dict:
     from kvabi.engine.llm import LLM
     from kvabi.engine.outputs import OutputAccumulator
     from kvabi.engine.sampling_params import SamplingParams
 
     # Prefix caching off, as for vLLM (vllm_worker.py): the warm-up runs the same prompts, and
     # hits on them would measure the cache, not the engine (`kvabi bench prefix` measures that).
-    llm = LLM(dtype=dtype, progress=False, max_num_batched_tokens=1024, enable_prefix_caching=False)
+    llm = LLM(
+        model, dtype=dtype, progress=False, max_num_batched_tokens=1024, enable_prefix_caching=False
+    )
     engine = llm.engine
 
     def generate(requests: list[tuple[list[int], int]]) -> list[tuple[int, ...]]:
@@ -44,16 +47,18 @@ def run_kvabi(work: dict, dtype: str) -> dict:
             done |= {o.request_id: o.outputs[0].token_ids for o in outputs.add(engine.step())}
         return [done[i] for i in ids]
 
-    return _measure(generate, work)
+    from kvabi.bench.decode_bench import _ran_on
+
+    return _measure(generate, work) | {"ran_on": _ran_on(llm)}
 
 
-def run_hf(work: dict, dtype: str) -> dict:
+def run_hf(work: dict, dtype: str, model: str) -> dict:
     import transformers
 
     from kvabi.models.registry import bundled_model_path
 
-    path = bundled_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
+    path = bundled_model_path(model)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent),
         gguf_file=path.name,
         dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
@@ -67,7 +72,7 @@ def run_hf(work: dict, dtype: str) -> dict:
         mask = torch.zeros_like(ids)
         for i, (p, _) in enumerate(requests):
             ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
-        out = model.generate(
+        out = hf.generate(
             ids,
             attention_mask=mask,
             max_new_tokens=new,
@@ -77,16 +82,17 @@ def run_hf(work: dict, dtype: str) -> dict:
         )
         return [tuple(out[i, width : width + n].tolist()) for i, (_, n) in enumerate(requests)]
 
-    return _measure(generate, work)
+    cpu_path = f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}"
+    return _measure(generate, work) | {"cpu_path": cpu_path}
 
 
-def run_llamacpp(work: dict, dtype: str) -> dict:
+def run_llamacpp(work: dict, dtype: str, model: str) -> dict:
     import llama_cpp
 
     from kvabi.models.registry import bundled_model_path
 
     llm = llama_cpp.Llama(
-        model_path=str(bundled_model_path()),
+        model_path=str(bundled_model_path(model)),
         n_ctx=2048,
         n_batch=512,
         n_threads=2,
@@ -115,7 +121,8 @@ def run_llamacpp(work: dict, dtype: str) -> dict:
         return tuple(out)
 
     # llama-cpp-python serves one sequence at a time: concurrent requests run in turn.
-    return _measure(lambda reqs: [one(p, n) for p, n in reqs], work)
+    cpu_path = llama_cpp.llama_print_system_info().decode()
+    return _measure(lambda reqs: [one(p, n) for p, n in reqs], work) | {"cpu_path": cpu_path}
 
 
 def _measure(generate: Callable[[list[tuple[list[int], int]]], list], work: dict) -> dict:
@@ -150,10 +157,11 @@ def main() -> None:
     parser.add_argument("--engine", choices=sorted(RUNNERS), required=True)
     parser.add_argument("--workload", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="a bundled model")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     args = parser.parse_args()
     work = json.loads(Path(args.workload).read_text())
-    figures = RUNNERS[args.engine](work, args.dtype)
+    figures = RUNNERS[args.engine](work, args.dtype, args.model)
     figures |= {"engine": args.engine, "dtype": args.dtype}
     Path(args.out).write_text(json.dumps(figures))
 

@@ -105,7 +105,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.what == "throughput":
         from kvabi.bench.throughput import run as run_throughput
 
-        run_throughput(args.quick, args.json, args.dtype)
+        run_throughput(args.quick, args.json, args.dtype, args.model)
     elif args.what == "serve":
         from kvabi.bench.serve_bench import run as run_serve
 
@@ -113,7 +113,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.what == "prefix":
         from kvabi.bench.prefix_bench import run as run_prefix
 
-        run_prefix(args.quick, args.json, args.prefix_plot)
+        run_prefix(args.quick, args.json, args.prefix_plot, args.model)
     elif args.what == "memory":
         from kvabi.bench.memory_bench import run as run_memory
 
@@ -180,8 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype",
         action="append",
-        choices=["bf16", "fp32"],
-        help="throughput: model dtypes to run (default bf16, and fp32 without --quick)",
+        choices=["auto", "bf16", "fp32"],
+        help="throughput: model dtypes to run (default auto: bf16 where the CPU computes it "
+        "natively, else fp32); repeat for several",
     )
     p.add_argument("--quick", action="store_true", help="the ~1 minute size")
     p.add_argument("--json", help="write the figures as one JSON object to this file")

@@ -195,7 +195,11 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("serve (kvabi bench serve)")
     g.add_argument("--rate", type=float, action="append", help="requests/s; repeat for several")
     g.add_argument("--base-url", help="an OpenAI endpoint (.../v1); default: start kvabi serve")
-    g.add_argument("--model", help="model to serve, or (with --base-url) the model to request")
+    g.add_argument(
+        "--model",
+        help="model to serve, or (with --base-url) the model to request; throughput and prefix: "
+        "a bundled model's name (default smollm2-135m-instruct)",
+    )
     g.add_argument("--api-key", default=os.environ.get("KVABI_API_KEY"))
     g.add_argument("--num-prompts", type=int, help="requests per rate")
     g.add_argument("--input-len", type=int, help="mean prompt words")

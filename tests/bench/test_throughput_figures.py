@@ -1,6 +1,16 @@
 """`kvabi bench throughput`'s figures from the workers' results (no engines run here)."""
 
-from kvabi.bench.throughput import _agreeing, _figures
+import sys
+from pathlib import Path
+
+from kvabi.bench.throughput import (
+    _agreeing,
+    _figures,
+    _run_worker,
+    dtype_names,
+    gguf_quant,
+)
+from kvabi.models.cpu_kernels import has_native_bf16
 
 
 def _result(ttft, decode, concurrent, tokens):
@@ -16,13 +26,35 @@ def test_ratios_and_token_agreement_against_hf():
     work = {"batch1": {"prompt_ids": [1] * 5, "max_tokens": 4}, "concurrent": [{}] * 16}
     results = {
         "hf-bf16": _result(0.2, 10.0, 50.0, [7, 8, 9, 10]),
-        "kvabi-bf16": _result(0.1, 40.0, 150.0, [7, 8, 5, 10]),
+        "kvabi-bf16": _result(0.1, 40.0, 150.0, [7, 8, 5, 10]) | {"ran_on": {"cpu": "X"}},
+        "llamacpp-q4_1": _result(0.1, 40.0, 150.0, [7]) | {"cpu_path": "AVX2 = 1"},
+        "vllm-bf16": "skipped: vLLM not installed",
     }
     figures = _figures(results, work, ["bf16"])
     assert figures["bf16_ttft_ratio"] == 2.0 and figures["bf16_decode_ratio"] == 4.0
     assert figures["bf16_concurrent_ratio"] == 3.0
     assert figures["bf16_greedy_tokens_match_hf"] is False
     assert figures["bf16_greedy_tokens_agree_with_hf"] == "2/4"
+    assert figures["ran_on"] == {"cpu": "X", "llamacpp_cpu_path": "AVX2 = 1"}
+    assert figures["engines"]["vllm-bf16"] == "skipped: vLLM not installed"
+
+
+def test_auto_is_the_dtype_this_cpu_computes_natively():
+    native = "bf16" if has_native_bf16() else "fp32"
+    assert dtype_names(None) == dtype_names(["auto"]) == [native]
+    assert dtype_names(["fp32", "auto", "bf16"]) == list(dict.fromkeys(["fp32", native, "bf16"]))
+
+
+def test_the_llamacpp_label_is_the_ggufs_quantisation():
+    assert gguf_quant("smollm2-135m-instruct") == "q4_1"
+
+
+def test_a_worker_that_skips_says_why_and_one_that_fails_says_failed(tmp_path: Path):
+    def worker(code: str) -> dict | str:
+        return _run_worker([sys.executable, "-c", code], tmp_path / "out.json")
+
+    assert worker("raise SystemExit('skipped: no vLLM here')") == "skipped: no vLLM here"
+    assert worker("raise RuntimeError('boom')") == "failed: RuntimeError: boom"
 
 
 def test_agreeing_counts_the_shared_leading_tokens():
