@@ -11,6 +11,12 @@
    restart (warm start), against re-prefilling it (the same tokens under a fresh cache salt).
 5. Capacity: the RAG trace replayed through the engine's own scheduler and pool (no model) for
    pool sizes up to where the ceiling is reached: a PNG of hit rate against capacity.
+
+`--model` picks a bundled model (default SmolLM2-135M), weights in dtype `auto`. A hybrid model
+(Gemma 3 270M: 15 sliding + 3 full layers) has several block groups over one pool, each taking
+a block per 16 tokens: pool sizes are given per group and multiplied by the number of groups, so
+every model's pool holds the same tokens per group. Its cache cannot use tiers yet
+(kvabi/cache/kv_cache.py), so the host-tier chat run and the resume part are skipped, saying so.
 """
 
 from __future__ import annotations
@@ -19,9 +25,8 @@ import random
 import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-from kvabi.abi.table import print_table
+from kvabi.bench.prefix_report import plot, print_figures
 from kvabi.bench.prefix_workload import (
     ChatTurn,
     RagShape,
@@ -29,6 +34,7 @@ from kvabi.bench.prefix_workload import (
     ceiling_hit_tokens,
     chat_schedule,
     corpus_slicer,
+    num_block_groups,
     rag_trace,
     replay_hit_rate,
 )
@@ -38,17 +44,18 @@ from kvabi.cache.tier_config import TierConfig
 from kvabi.engine.engine import EngineConfig, LLMEngine
 from kvabi.engine.outputs import OutputAccumulator
 from kvabi.engine.sampling_params import SamplingParams
-from kvabi.models.registry import LoadedModel
+from kvabi.models.registry import DEFAULT_MODEL, LoadedModel
 
 BLOCK_SIZE = 16
 DEFAULT_PLOT = "out/bench/prefix_hit_rate.png"
+NO_TIERS = "skipped: a hybrid model's cache (several block groups) cannot use tiers yet"
 
 
 @dataclass(frozen=True)
 class Sizes:
     repeats: int
     rag: RagShape
-    rag_pool_blocks: int
+    rag_pool_blocks: int  # per block group, like chat_pool_blocks
     chat_sessions: int
     chat_turns: int
     chat_pool_blocks: int
@@ -64,23 +71,39 @@ QUICK = Sizes(1, RagShape(12, 16, 96), 40, 5, 3, 24, 6)
 FULL = Sizes(3, RagShape(64, 48, 160), 192, 10, 5, 96, 16)
 
 
-def run(quick: bool, json_path: str | None, plot_path: str | None = DEFAULT_PLOT) -> dict:
+def run(
+    quick: bool,
+    json_path: str | None,
+    plot_path: str | None = DEFAULT_PLOT,
+    model: str | None = None,
+    sizes: Sizes | None = None,
+) -> dict:
+    """`sizes`: else QUICK or FULL."""
     from kvabi.interop.model_spec import gguf_fingerprint
     from kvabi.models.registry import load_model, resolve_model
 
-    sizes = QUICK if quick else FULL
-    loaded = load_model(dtype="bf16", progress=False)
-    bench = _Bench(loaded, gguf_fingerprint(resolve_model(None).path), sizes)
-    figures = bench.ttft() | bench.rag() | bench.chat() | bench.resume()
+    model = model or DEFAULT_MODEL
+    loaded = load_model(model, dtype="auto", progress=False)
+    bench = _Bench(loaded, gguf_fingerprint(resolve_model(model).path), sizes or _sizes(quick))
+    figures = {"model": model, "dtype": str(loaded.model.dtype).removeprefix("torch.")}
+    figures |= {"block_groups": bench.num_groups}
+    figures |= bench.ttft() | bench.rag() | bench.chat() | bench.resume()
     figures |= bench.capacity(plot_path)
-    _print(figures)
+    print_figures(figures)
     write_json(json_path, figures)
     return figures
+
+
+def _sizes(quick: bool) -> Sizes:
+    return QUICK if quick else FULL
 
 
 class _Bench:
     def __init__(self, loaded: LoadedModel, fingerprint: str, sizes: Sizes) -> None:
         self.loaded, self.fingerprint, self.sizes = loaded, fingerprint, sizes
+        self.layers = loaded.config.kv_layers()
+        self.num_groups = num_block_groups(self.layers)
+        self.has_tiers = self.num_groups == 1
         rng = random.Random(0)
         text = " ".join(rng.choice(WORDS) for _ in range(20000))
         self.corpus = loaded.tokenizer.encode(text, add_special_tokens=False)
@@ -88,8 +111,9 @@ class _Bench:
         self.rag_trace: list[list[int]] = []
         self.rag_hit_rate = 0.0
 
-    def engine(self, num_blocks: int, **config: object) -> LLMEngine:
+    def engine(self, blocks_per_group: int, **config: object) -> LLMEngine:
         config = {"max_num_batched_tokens": 4096, "block_size": BLOCK_SIZE} | config
+        num_blocks = blocks_per_group * self.num_groups
         return LLMEngine(
             self.loaded, EngineConfig(num_blocks=num_blocks, **config), self.fingerprint
         )
@@ -122,14 +146,16 @@ class _Bench:
         stats = cached.cache_stats()
         ceiling, queried = ceiling_hit_tokens(trace, BLOCK_SIZE)
         self.rag_hit_rate = hit_rate = stats["tag_rag_hit_rate"]
+        pool = s.rag_pool_blocks * self.num_groups
         return {
             "rag_requests": len(trace),
             "rag_prompt_tokens": stats["tag_rag_query_tokens"],
-            "rag_pool_blocks": s.rag_pool_blocks,
+            "rag_pool_blocks": pool,
+            "rag_pool_tokens_per_group": s.rag_pool_blocks * BLOCK_SIZE,
             "rag_hit_rate": hit_rate,
             "rag_ceiling_hit_rate": ceiling / queried,
             "rag_hit_vs_ceiling_ratio": hit_rate * queried / ceiling if ceiling else 0.0,
-            "rag_replay_hit_rate": replay_hit_rate(trace, s.rag_pool_blocks, BLOCK_SIZE, 2),
+            "rag_replay_hit_rate": replay_hit_rate(trace, pool, BLOCK_SIZE, 2, self.layers),
             "rag_prefill_tokens_saved": stats["tag_rag_saved_tokens"],
             "rag_cached_s": cached_s,
             "rag_uncached_s": uncached_s,
@@ -141,25 +167,34 @@ class _Bench:
         schedule = chat_schedule(s.chat_sessions, s.chat_turns, s.chat_think_s, seed=3)
         system = self.take(64)
         user = {(t.session, t.turn): self.take(s.chat_user_len) for t in schedule}
-        out: dict = {"chat_turns": len(schedule), "chat_pool_blocks": s.chat_pool_blocks}
-        for name, tiers in (("pool", TierConfig()), ("host", TierConfig(host_bytes=2**30))):
+        out: dict = {
+            "chat_turns": len(schedule),
+            "chat_pool_blocks": s.chat_pool_blocks * self.num_groups,
+        }
+        runs = [("pool", TierConfig()), ("host", TierConfig(host_bytes=2**30))]
+        for name, tiers in runs[: 2 if self.has_tiers else 1]:
             engine = self.engine(s.chat_pool_blocks, tiers=tiers)
             prompts = _chat(engine, schedule, system, user, s.chat_answer_len)
             stats = engine.cache_stats()
             engine.close()
             out[f"chat_{name}_hit_rate"] = stats["tag_chat_hit_rate"]
-        out["chat_host_loaded_tokens"] = stats["tier_host_hit_tokens"]
         ceiling, queried = ceiling_hit_tokens(prompts, BLOCK_SIZE)
         out["chat_ceiling_hit_rate"] = ceiling / queried
+        out["chat_pool_vs_ceiling_ratio"] = out["chat_pool_hit_rate"] / out["chat_ceiling_hit_rate"]
+        if not self.has_tiers:
+            return out | {"chat_host_skipped": NO_TIERS}
+        out["chat_host_loaded_tokens"] = stats["tier_host_hit_tokens"]
         out["chat_host_vs_ceiling_ratio"] = out["chat_host_hit_rate"] / out["chat_ceiling_hit_rate"]
         return out
 
     def resume(self) -> dict:
+        if not self.has_tiers:
+            return {"resume_skipped": NO_TIERS}
         s = self.sizes
         conversation = self.take(s.resume_tokens)
         with tempfile.TemporaryDirectory() as tmp:
             tiers = TierConfig(host_bytes=2**30, disk_dir=tmp)
-            engine = self.engine(2 * s.resume_tokens // BLOCK_SIZE, tiers=tiers)
+            engine = self.engine(2 * s.resume_tokens // BLOCK_SIZE, tiers=tiers)  # one group
             params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, session="c")
             turn = conversation + _generate(engine, conversation, params) + self.take(32)
             engine.flush_tiers()  # the idle session's blocks are in host RAM and on disk
@@ -186,10 +221,10 @@ class _Bench:
 
     def capacity(self, plot_path: str | None) -> dict:
         ceiling, queried = ceiling_hit_tokens(self.rag_trace, BLOCK_SIZE)
-        capacities, rates = capacity_curve(self.rag_trace, BLOCK_SIZE, 2)
+        capacities, rates = capacity_curve(self.rag_trace, BLOCK_SIZE, 2, self.layers)
         if plot_path:
-            measured = (self.sizes.rag_pool_blocks, self.rag_hit_rate)
-            _plot(capacities, rates, ceiling / queried, measured, plot_path)
+            measured = (self.sizes.rag_pool_blocks * self.num_groups, self.rag_hit_rate)
+            plot(capacities, rates, ceiling / queried, measured, plot_path, BLOCK_SIZE)
         return {"capacity_blocks": capacities, "capacity_hit_rates": rates, "plot": plot_path}
 
 
@@ -255,89 +290,3 @@ def _run_alternating(
             _generate(engine, prompt, params)
             seconds[i] += time.perf_counter() - start
     return seconds[0], seconds[1]
-
-
-def _plot(
-    capacities: list[int],
-    rates: list[float],
-    ceiling: float,
-    measured: tuple[int, float],
-    path: str,
-) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.semilogx(capacities, rates, "o-", base=2, label="prefix cache (replayed trace)")
-    ax.axhline(ceiling, linestyle="--", color="grey", label="infinite cache (ceiling)")
-    ax.plot(*measured, "s", color="tab:orange", label="engine run with the model")
-    ax.set(xlabel=f"pool capacity (blocks of {BLOCK_SIZE} tokens)", ylabel="hit rate (tokens)")
-    ax.set_ylim(0, 1)
-    ax.set_title("RAG workload: hit rate against pool capacity")
-    ax.legend(loc="lower right")
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _print(f: dict) -> None:
-    print_table(
-        f"TTFT: {f['ttft_prefix_tokens']}-token cached prefix + "
-        f"{f['ttft_suffix_tokens']}-token suffix",
-        ["figure", "value"],
-        [
-            ["cached s", f["ttft_cached_s"]],
-            ["uncached s", f["ttft_uncached_s"]],
-            ["ratio", f["ttft_ratio"]],
-        ],
-    )
-    print_table(
-        f"RAG: {f['rag_requests']} requests, {f['rag_pool_blocks']}-block pool",
-        ["figure", "value"],
-        [
-            ["hit rate", f["rag_hit_rate"]],
-            ["ceiling (infinite cache)", f["rag_ceiling_hit_rate"]],
-            ["hit / ceiling", f["rag_hit_vs_ceiling_ratio"]],
-            ["replayed hit rate (no model)", f["rag_replay_hit_rate"]],
-            ["prefill tokens saved", int(f["rag_prefill_tokens_saved"])],
-            ["wall s cached / uncached", f"{f['rag_cached_s']:.2f} / {f['rag_uncached_s']:.2f}"],
-            ["speedup", f["rag_speedup_ratio"]],
-        ],
-    )
-    print_table(
-        f"Chat: {f['chat_turns']} turns of interleaved sessions, "
-        f"{f['chat_pool_blocks']}-block pool",
-        ["figure", "value"],
-        [
-            ["hit rate, pool only", f["chat_pool_hit_rate"]],
-            ["hit rate, pool + host tier", f["chat_host_hit_rate"]],
-            ["tokens loaded from host", int(f["chat_host_loaded_tokens"])],
-            ["ceiling (infinite cache)", f["chat_ceiling_hit_rate"]],
-        ],
-    )
-    print_table(
-        f"Resume a {f['resume_tokens']}-token conversation (TTFT)",
-        ["from", "seconds", "tokens loaded", "vs re-prefill"],
-        [
-            ["re-prefill", f["resume_prefill_s"], 0, 1.0],
-            [
-                "host RAM",
-                f["resume_host_s"],
-                int(f["resume_host_hit_tokens"]),
-                f["resume_host_ratio"],
-            ],
-            [
-                "disk (restart)",
-                f["resume_disk_s"],
-                int(f["resume_disk_hit_tokens"]),
-                f["resume_disk_ratio"],
-            ],
-        ],
-    )
-    rows = list(zip(f["capacity_blocks"], f["capacity_hit_rates"], strict=True))
-    print_table("RAG hit rate against pool capacity (replayed)", ["blocks", "hit rate"], rows)
-    if f["plot"]:
-        print(f"\nplot written to {f['plot']}")
