@@ -70,11 +70,8 @@ def print_figures(f: dict) -> None:
 
 def _print_chat(f: dict) -> None:
     rows = [["hit rate, pool only", f["chat_pool_hit_rate"]]]
-    if "chat_host_skipped" in f:
-        rows.append(["pool + host tier", f["chat_host_skipped"]])
-    else:
-        rows.append(["hit rate, pool + host tier", f["chat_host_hit_rate"]])
-        rows.append(["tokens loaded from host", int(f["chat_host_loaded_tokens"])])
+    rows.append(["hit rate, pool + host tier", f["chat_host_hit_rate"]])
+    rows.append(["tokens loaded from host", int(f["chat_host_loaded_tokens"])])
     rows.append(["ceiling (infinite cache)", f["chat_ceiling_hit_rate"]])
     print_table(
         f"Chat: {f['chat_turns']} turns of interleaved sessions, "
@@ -85,9 +82,6 @@ def _print_chat(f: dict) -> None:
 
 
 def _print_resume(f: dict) -> None:
-    if "resume_skipped" in f:
-        print(f"\nResume: {f['resume_skipped']}")
-        return
     print_table(
         f"Resume a {f['resume_tokens']}-token conversation (TTFT)",
         ["from", "seconds", "tokens loaded", "vs re-prefill"],
