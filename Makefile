@@ -40,7 +40,7 @@ test: .venv/.installed
 soak: .venv/.installed
 	$(PY) -m pytest -q -m soak
 
-# Real weights over 100 MB against transformers' own load (Gemma 3 270M: ~6 minutes).
+# Real weights over 100 MB: Gemma 3 270M against transformers, llama.cpp and across processes (~10 minutes on 2 cores).
 big: .venv/.installed
 	$(PY) -m pytest -q --durations=5 -m big
 
