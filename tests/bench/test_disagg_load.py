@@ -19,7 +19,10 @@ LOAD = MixedLoad(
     short_rate=20.0,
     num_long=2,
     long_input_len=40,  # words; about 200 tokens with the tiny byte-level tokenizer
-    long_output_len=3,
+    # Long enough that each long request streams several text chunks: the tiny model's
+    # byte-level tokens often complete no character, and a request whose text arrives in one
+    # chunk has no inter-token gap (CI once saw none over two 3-4 token requests: ITL nan).
+    long_output_len=12,
     long_start_s=0.05,
     long_gap_s=0.1,
 )
