@@ -70,11 +70,23 @@ def _live_tokens(running: list, block_size: int) -> int:
     return sum(max(n, 0) for n in filled.values())
 
 
-def run(quick: bool, json_path: str | None) -> dict:
+def run(quick: bool, json_path: str | None, model: str | None = None) -> dict:
+    """`model`: default the bundled SmolLM2. A model with sliding-window layers (e.g.
+    `gemma3-270m`) is measured by `kvabi bench windows` instead (its block groups hold each
+    window's blocks only; paged against contiguous would count one group's table)."""
     from kvabi.models.registry import load_model
 
+    if model is not None:
+        from kvabi.bench import window_bench
+
+        llm = window_bench.start(model)
+        if window_bench.has_windows(llm):
+            print(f"{model} has sliding-window layers: KV held by its block groups against "
+                  "every token in every layer (kvabi bench windows)")  # fmt: skip
+            return window_bench.run(quick, json_path, model, llm=llm)
+        llm.engine.close()
     mix = QUICK if quick else FULL
-    loaded = load_model(dtype="bf16", progress=False)
+    loaded = load_model(model, dtype="bf16", progress=False)
     engine = LLMEngine(
         loaded, EngineConfig(max_num_seqs=mix.max_num_seqs, max_num_batched_tokens=1024), "bench"
     )

@@ -34,10 +34,12 @@ def run(
     json_path: str | None,
     model: str | None = None,
     sizes: tuple[int, int, int] | None = None,
+    llm: LLM | None = None,
 ) -> dict[str, Any]:
-    """`sizes`: (requests, prompt tokens, output tokens), else QUICK or FULL."""
+    """`sizes`: (requests, prompt tokens, output tokens), else QUICK or FULL; `llm`: an engine
+    already started on `model` (else one is started)."""
     num_requests, prompt_len, out_len = sizes or (QUICK if quick else FULL)
-    llm = LLM(model or MODEL, progress=False, max_num_batched_tokens=1024)
+    llm = llm or start(model or MODEL)
     engine = llm.engine
     rng = random.Random(0)
     text = " ".join(rng.choice(WORDS) for _ in range(3 * prompt_len))
@@ -70,6 +72,15 @@ def run(
     _print(figures)
     write_json(json_path, figures)
     return figures
+
+
+def start(model: str) -> LLM:
+    return LLM(model, progress=False, max_num_batched_tokens=1024)
+
+
+def has_windows(llm: LLM) -> bool:
+    """Whether the engine's cache has sliding-window groups (what this bench measures)."""
+    return any(g.window for g in llm.engine.cache.groups)  # 0: full attention
 
 
 def _block_bytes(engine: LLMEngine) -> list[int]:

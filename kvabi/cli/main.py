@@ -117,11 +117,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.what == "memory":
         from kvabi.bench.memory_bench import run as run_memory
 
-        run_memory(args.quick, args.json)
+        run_memory(args.quick, args.json, args.model)
     elif args.what == "windows":
         from kvabi.bench.window_bench import run as run_windows
 
-        run_windows(args.quick, args.json)
+        run_windows(args.quick, args.json, args.model)
     elif args.what == "disagg":
         from kvabi.bench.disagg_bench import run as run_disagg
 
