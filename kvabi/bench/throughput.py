@@ -190,24 +190,12 @@ def _command(engine: str, dtype: str, model: str, wpath: Path, out: Path, tmp: s
 
 
 def hf_folder(model: str, dtype: str, out_dir: Path) -> Path:
-    """The bundled model as an HF checkpoint folder (for vLLM): kvabi's own export where it
-    covers the architecture, else transformers' load of the GGUF saved back."""
-    from kvabi.models.hf_export import HF_ARCHITECTURES, export_hf_folder
+    """The bundled model as an HF checkpoint folder for vLLM (kvabi's own export: Llama-family
+    and Gemma 3; vLLM 0.32's CPU build reads neither GGUF)."""
+    from kvabi.models.hf_export import export_hf_folder
     from kvabi.models.registry import load_model
 
-    loaded = load_model(model, dtype=dtype, progress=False)
-    if loaded.config.architecture in HF_ARCHITECTURES:
-        return export_hf_folder(loaded, out_dir)
-    import transformers
-
-    path = bundled_model_path(model)
-    kwargs = {"gguf_file": path.name, "dtype": WEIGHT_DTYPES[dtype]}
-    transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), **kwargs).save_pretrained(
-        out_dir
-    )
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir
+    return export_hf_folder(load_model(model, dtype=dtype, progress=False), out_dir)
 
 
 def _figures(results: dict, work: dict, dtypes: list[str]) -> dict:

@@ -1,5 +1,8 @@
 """A loaded model -> an HF checkpoint folder, so foreign engines (vLLM, transformers) run our model.
 
+Llama, Mistral and Qwen2 (`ModelConfig`), and Gemma 3 text (`Gemma3Config`, written as
+`Gemma3ForCausalLM`: a GGUF of Gemma 3 becomes a folder vLLM loads, which it cannot from GGUF).
+
 The folder holds `config.json`, `model.safetensors` (weights in the loaded dtype, HF names),
 `tokenizer.json`, `tokenizer_config.json` (special tokens, chat template) and
 `generation_config.json`. It reloads bit-identically: transformers gives our logits, and our own
@@ -15,6 +18,7 @@ from typing import Any
 import torch
 
 from kvabi.models.config import ModelConfig, RopeScaling
+from kvabi.models.gemma3_config import FULL, SLIDING, Gemma3Config
 from kvabi.models.registry import LoadedModel
 
 # our architecture -> (HF model_type, HF class)
@@ -67,8 +71,56 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
-    """`ModelConfig` -> config.json contents (transformers 5 spelling, plus 4's `rope_theta`)."""
+def _int_if_whole(x: float) -> int | float:
+    return int(x) if float(x).is_integer() else x
+
+
+def gemma3_hf_config(config: Gemma3Config, dtype: torch.dtype) -> dict[str, Any]:
+    """`Gemma3Config` -> config.json of `Gemma3ForCausalLM` (`gemma3_text`, transformers 5's
+    per-layer-type `rope_parameters`, plus 4's `rope_theta` / `rope_local_base_freq`)."""
+    full: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.rope_scaling is not None:
+        full.update(rope_type=config.rope_scaling.rope_type, factor=config.rope_scaling.factor)
+    sliding = {"rope_type": "default", "rope_theta": config.rope_local_base_freq}
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_activation": config.hidden_activation,
+        "layer_types": list(config.layer_types),
+        "sliding_window": config.sliding_window or 0,
+        "query_pre_attn_scalar": _int_if_whole(config.query_pre_attn_scalar),  # HF: an int
+        "rope_parameters": {FULL: full, SLIDING: sliding},
+        "rope_theta": config.rope_theta,
+        "rope_local_base_freq": config.rope_local_base_freq,
+        "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings,
+        "final_logit_softcapping": config.final_logit_softcapping,
+        "attn_logit_softcapping": None,
+        "attention_bias": False,
+        "vocab_size": config.vocab_size,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": _one_or_list(config.eos_token_ids),
+        "torch_dtype": _dtype_name(dtype),
+    }
+
+
+def hf_config(config: ModelConfig | Gemma3Config, dtype: torch.dtype) -> dict[str, Any]:
+    """The model's config -> config.json contents (transformers 5 spelling, plus 4's
+    `rope_theta`). Llama, Mistral, Qwen2 and Gemma 3 text; others are refused."""
+    if isinstance(config, Gemma3Config):
+        return gemma3_hf_config(config, dtype)
+    if config.architecture not in HF_ARCHITECTURES:
+        raise ValueError(
+            f"{config.architecture}: no HF export (supported: "
+            f"{', '.join([*HF_ARCHITECTURES, 'gemma3'])})"
+        )
     _check_expressible(config)
     model_type, class_name = HF_ARCHITECTURES[config.architecture]
     raw: dict[str, Any] = {

@@ -203,3 +203,29 @@ def test_gguf_missing_field_names_it(tmp_path: Path) -> None:
     (tmp_path / "broken.gguf").write_bytes(broken)
     with pytest.raises(ValueError, match="'gemma3.attention.sliding_window' is missing"):
         load_gguf(tmp_path / "broken.gguf", progress=False)
+
+
+def test_hf_export_writes_a_gemma3_checkpoint_transformers_runs_bit_identically(
+    pair: Any,
+) -> None:
+    """kvabi's Gemma 3 written back as an HF `Gemma3ForCausalLM` (what vLLM loads, since it
+    cannot read a Gemma 3 GGUF): same config, and the original's logits to the bit."""
+    from types import SimpleNamespace
+
+    from kvabi.models.hf_export import hf_config, hf_state_dict
+
+    hf, ours = pair
+    raw = hf_config(ours.config, torch.float32)
+    assert raw["model_type"] == "gemma3_text" and raw["architectures"] == ["Gemma3ForCausalLM"]
+    config = transformers.Gemma3TextConfig(**raw)
+    for name in ("layer_types", "sliding_window", "query_pre_attn_scalar", "rope_parameters",
+                 "final_logit_softcapping", "tie_word_embeddings", "head_dim"):  # fmt: skip
+        assert getattr(config, name) == getattr(hf.config, name), name
+    again = transformers.Gemma3ForCausalLM(config)
+    missing, unexpected = again.load_state_dict(
+        hf_state_dict(SimpleNamespace(model=ours)), strict=False
+    )
+    assert not unexpected and missing == (["lm_head.weight"] if config.tie_word_embeddings else [])
+    again.tie_weights()
+    ids = random_ids(24)
+    assert torch.equal(hf_logits(again.eval(), ids), hf_logits(hf, ids))
