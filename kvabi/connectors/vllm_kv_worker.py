@@ -7,14 +7,18 @@ vllm, never the engine. kvabi/connectors/vllm_handoff.py writes the job and read
     PYTHONPATH=. .venv-vllm/bin/python kvabi/connectors/vllm_kv_worker.py --job J.json --out R.json
 
 Job: {"model_dir", "dtype" (bfloat16|float32), "model" (descriptor JSON of the model part),
-"prompt_ids", "max_tokens", "export_path", "import_path" (a container of the prompt's KV from
+"prompt_ids", "max_tokens", "export_path", "export_tokens" (how many of the prompt's tokens
+to export; default all), "import_path" (a container of the prompt's KV from
 another engine, or null)}. Steps, in one vLLM process with prefix caching on:
-1. vLLM runs the prompt greedily; its block table is read while the request runs.
-2. Export: the prompt's KV, read from vLLM's cache tensors through the `vllm-cpu-*` preset
-   of the layers' ISA, is written as a container (tokens and ABI block hashes).
-3. Import: the other engine's KV is converted into the prompt's cached full blocks, the prompt
-   runs again (a prefix-cache hit: vLLM reads the imported blocks), then once more with those
-   blocks zeroed (control: the output must change, so the blocks are really read).
+1. vLLM runs the prompt greedily; its block tables (one per KV cache group: a hybrid model
+   such as Gemma 3 has sliding and full groups) are read while the request runs.
+2. Export, once the prompt is computed: its KV, read from vLLM's cache tensors through the
+   `vllm-cpu-*` preset of the layers' ISA, each layer through its group's table, is written as
+   a container (tokens and ABI block hashes; sliding layers carry their window's tail).
+3. Import: the other engine's KV is converted into the blocks the prompt's cached full blocks
+   need (a sliding layer: its window's), the prompt runs again (a prefix-cache hit: vLLM reads
+   the imported blocks), then once more with those blocks zeroed (control: the output must
+   change, so the blocks are really read).
 """
 
 from __future__ import annotations
@@ -24,8 +28,12 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable, Sequence
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any
+
+NULL_BLOCK = 0  # vLLM's placeholder block (kvabi/interop/vllm_cache.py; vllm not imported here)
 
 ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine in this process: its cache is reachable
@@ -53,24 +61,42 @@ def _core(llm: Any) -> Any:
     return llm.llm_engine.engine_core.engine_core
 
 
-def _run(vllm: Any, llm: Any, ids: list[int], max_tokens: int, tag: str) -> dict[str, Any]:
-    """Greedy run of one prompt, stepping the engine; the block table is read while it runs
-    (after each step: a chunked prefill grows it; it is freed in the step that finishes)."""
+def _run(
+    vllm: Any, llm: Any, ids: list[int], max_tokens: int, tag: str,
+    on_prefilled: Callable[[], None] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Greedy run of one prompt, stepping the engine. Its block tables, one per KV cache group,
+    are read after every step (a chunked prefill grows them, a sliding group's turns blocks its
+    window left into the null block, the finishing step frees them); `group_block_ids` keeps, per
+    group and block index, the block the request held there. `on_prefilled` runs once, after
+    the step that computed the whole prompt (its KV is all in the cache then)."""
     params = vllm.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     engine, scheduler = llm.llm_engine, _core(llm).scheduler
     engine.add_request(tag, {"prompt_token_ids": ids}, params)
-    block_ids, final = None, None
+    tables: list[list[int]] = []
+    final = None
     while engine.has_unfinished_requests():
         for out in engine.step():
             final = out if out.finished else final
         if scheduler.running:
-            request_id = scheduler.running[0].request_id
-            block_ids = list(scheduler.kv_cache_manager.get_block_ids(request_id)[0])
+            request = scheduler.running[0]
+            now = scheduler.kv_cache_manager.get_block_ids(request.request_id)
+            tables = [_held(old, new) for old, new in zip_longest(tables, now, fillvalue=())]
+            if on_prefilled is not None and request.num_computed_tokens >= len(ids):
+                on_prefilled(tables)
+                on_prefilled = None
     return {
         "tokens": list(final.outputs[0].token_ids),
-        "block_ids": block_ids,
+        "block_ids": tables[0],
+        "group_block_ids": tables,
         "num_cached_tokens": final.num_cached_tokens,
     }
+
+
+def _held(seen: Sequence[int], now: Sequence[int]) -> list[int]:
+    """A table's blocks so far: the null block where one was freed keeps the block it was."""
+    longer = list(now) + list(seen[len(now) :])
+    return [n if n != NULL_BLOCK or i >= len(seen) else seen[i] for i, n in enumerate(longer)]
 
 
 def _attention_layers(llm: Any) -> list[Any]:
@@ -83,6 +109,16 @@ def _attention_layers(llm: Any) -> list[Any]:
     return [context[n] for n in sorted(names, key=extract_layer_index)]
 
 
+def _layer_groups(llm: Any) -> list[int]:
+    """Each layer's KV cache group (one group for a uniform model; Gemma 3: five sliding groups
+    and one full group of 3 layers each)."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    groups = _core(llm).scheduler.kv_cache_config.kv_cache_groups
+    of = {extract_layer_index(n): g for g, group in enumerate(groups) for n in group.layer_names}
+    return [of[i] for i in range(len(of))]
+
+
 def _cache(llm: Any, model: Any) -> Any:
     from kvabi.interop.vllm_cache import kv_caches_to_buffers
 
@@ -93,33 +129,47 @@ def _cache(llm: Any, model: Any) -> Any:
     return kv_caches_to_buffers([layer.kv_cache for layer in layers], model, isas.pop())
 
 
-def _export(cache: Any, ids: list[int], block_ids: list[int], path: str) -> int:
+def _per_layer(groups: list[int], tables: list[list[int]]) -> list[list[int]]:
+    return [tables[g] for g in groups]
+
+
+def _export(cache: Any, groups: list[int], ids: list[int], tables: list, path: str) -> int:
+    """The prompt's KV (each layer's blocks from its group's table) as a container: a sliding
+    layer carries its window's tail only (docs/ABI.md 5.7)."""
     from kvabi.cache.block_hasher import BlockHasher
-    from kvabi.interop.vllm_cache import read_sequence
+    from kvabi.interop.vllm_cache import read_group_sequence
     from kvabi.wire import write_container
 
-    seq = read_sequence(cache, block_ids, len(ids))
+    seq = read_group_sequence(cache, _per_layer(groups, tables), len(ids))
     hashes = BlockHasher(seq.desc.model.compat_digest(), cache.desc.layout.block_size).hashes(ids)
     return write_container(path, seq, ids, hashes)
 
 
-def _import(vllm: Any, llm: Any, cache: Any, job: dict[str, Any], own: dict) -> dict[str, Any]:
-    """The other engine's KV into the prompt's full cached blocks; then the prompt again."""
+def _import(
+    vllm: Any, llm: Any, cache: Any, groups: list[int], job: dict[str, Any], own: dict
+) -> dict[str, Any]:
+    """The other engine's KV into the blocks the prompt's cached prefix (its full blocks) needs,
+    per layer through its group's table; then the prompt again, and once more with those blocks
+    zeroed."""
     import torch
 
-    from kvabi.interop.vllm_cache import write_sequence
+    from kvabi.interop.vllm_cache import needed_blocks, write_group_sequence
     from kvabi.wire import read_container
 
     ids, bs = job["prompt_ids"], cache.desc.layout.block_size
-    num_full = (len(ids) - 1) // bs  # vLLM caches full blocks, and recomputes the last token
-    blocks = own["block_ids"][:num_full]
+    num_cached = (len(ids) - 1) // bs * bs  # vLLM caches full blocks, recomputes the last token
+    tables = _per_layer(groups, own["group_block_ids"])
     src = read_container(job["import_path"], expect=cache.desc.model).cache
-    write_sequence(src, cache, blocks, num_full * bs)
+    write_group_sequence(src, cache, tables, num_cached)
     imported = _run(vllm, llm, ids, job["max_tokens"], "imported")
-    for tensor in cache.tensors.values():
-        tensor[torch.tensor(blocks)] = 0
+    written = {
+        layer: [tables[layer][j] for j in needed_blocks(spec.window, num_cached, bs)]
+        for layer, spec in enumerate(cache.desc.model.layers)
+    }
+    for layer, blocks in written.items():
+        cache.tensors[str(layer)][torch.tensor(blocks, dtype=torch.long)] = 0
     zeroed = _run(vllm, llm, ids, job["max_tokens"], "zeroed")
-    return {"imported": imported, "zeroed": zeroed, "imported_blocks": blocks}
+    return {"imported": imported, "zeroed": zeroed, "imported_blocks": written}
 
 
 def run(job: dict[str, Any]) -> dict[str, Any]:
@@ -129,13 +179,16 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     vllm, llm = _start(job)
     result: dict[str, Any] = {"vllm": vllm.__version__, "startup_s": time.perf_counter() - start}
     model = Descriptor.from_json(job["model"]).model
-    ids = job["prompt_ids"]
-    own = _run(vllm, llm, ids, job["max_tokens"], "own")
-    cache = _cache(llm, model)
-    result |= {"own": own, "descriptor": str(cache.desc)}
-    result["export_bytes"] = _export(cache, ids, own["block_ids"], job["export_path"])
+    ids, cache, groups = job["prompt_ids"], _cache(llm, model), _layer_groups(llm)
+
+    def export(tables: list[list[int]]) -> None:
+        handed = ids[: job.get("export_tokens", len(ids))]
+        result["export_bytes"] = _export(cache, groups, handed, tables, job["export_path"])
+
+    own = _run(vllm, llm, ids, job["max_tokens"], "own", on_prefilled=export)
+    result |= {"own": own, "descriptor": str(cache.desc), "layer_groups": groups}
     if job.get("import_path"):
-        result |= _import(vllm, llm, cache, job, own)
+        result |= _import(vllm, llm, cache, groups, job, own)
     result["wall_s"] = time.perf_counter() - start
     return result
 

