@@ -147,7 +147,9 @@ class BlockEventLog:
                     tuple(token_ids),
                     len(token_ids),
                     self.medium,
-                    *(group.group_idx, group.kind, group.sliding_window),
+                    group.group_idx,
+                    group.kind,
+                    group.sliding_window,
                 )
                 self._events.append(event)
             self._pending.set()

@@ -3,7 +3,7 @@
 import pytest
 
 from kvabi.abi.block_hash import hash_blocks, root_hash
-from kvabi.abi.descriptor import ATTN, LayerSpec, ModelSpec
+from kvabi.abi.descriptor import ATTN, MLA, LayerSpec, ModelSpec
 from kvabi.abi.presets import preset_descriptor
 from kvabi.cache.block_events import (
     UNIFORM,
@@ -12,7 +12,9 @@ from kvabi.cache.block_events import (
     BlockRemoved,
     BlockStored,
     EventGroup,
+    event_groups,
 )
+from kvabi.cache.block_groups import plan_groups
 from kvabi.cache.block_hasher import BlockKey
 from kvabi.cache.block_pool import BlockPool
 from kvabi.cache.kv_cache import KVCache
@@ -172,3 +174,13 @@ def test_a_pool_emptied_beside_one_that_holds_blocks_is_removals_not_cleared():
     cache.pools[1].free([full])
     assert cache.drop_cached() == 1
     assert log.drain() == [AllBlocksCleared()]  # once, for every pool
+
+
+def test_groups_are_named_by_vllms_kinds_and_a_uniform_cache_by_none():
+    mla = LayerSpec(MLA, latent_dim=16, rope_dim=8)
+    assert event_groups(plan_groups(ModelSpec((mla, SLIDING, FULL), "three-kinds"))) == (
+        EventGroup(0, "mla_attention"),
+        EventGroup(1, "sliding_window", 4),
+        EventGroup(2, "full_attention"),
+    )
+    assert event_groups(plan_groups(ModelSpec((FULL, FULL), "uniform"))) == (UNIFORM,)
