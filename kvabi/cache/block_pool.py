@@ -15,12 +15,14 @@ and, given a `write_down` hook, `allocate` hands the evicted blocks to it before
 their data goes down a tier before any caller can overwrite it (no caller can skip that).
 
 Given a `BlockEventSink` (`events`), the pool tells it of every change to its index: a block
-registered under its hash (with its parent hash and tokens), a cached block evicted or dropped,
-the index emptied (kvabi/cache/block_events.py; KV events for prefix-aware routers).
+registered under its hash (with its parent hash and tokens), a cached block evicted or dropped
+(kvabi/cache/block_events.py; KV events for prefix-aware routers). That the whole index is
+empty (`cleared`) only the cache can tell, which sees every pool (`KVCache.drop_cached`).
 
 Block groups of a hybrid model (kvabi/cache/block_groups.py) share a pool: the index is keyed by
-(group, block hash), since each group caches its own copy of a block's layers. Events report
-`event_group`'s blocks only (a router needs one view of which prefixes are held).
+(group, block hash), since each group caches its own copy of a block's layers. Each event names
+its block's group as `event_groups[group]` has it (a sliding group's evictions are its own, not
+the full group's).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
-from kvabi.cache.block_events import BlockEventSink
+from kvabi.cache.block_events import UNIFORM, BlockEventSink, EventGroup
 from kvabi.cache.block_hasher import BlockKey
 
 WriteDown = Callable[[list[int], list[BlockKey]], None]  # evicted block ids, their keys
@@ -44,13 +46,13 @@ class BlockPool:
         num_blocks: int,
         events: BlockEventSink | None = None,
         write_down: WriteDown | None = None,
-        event_group: int = 0,
+        event_groups: Sequence[EventGroup] = (UNIFORM,),
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.events = events  # told of each change to `event_group`'s part of the index
-        self.event_group = event_group
+        self.events = events  # told of each change to the index
+        self.event_groups = tuple(event_groups)  # per group id: how its events name it
         self.write_down = write_down  # given each allocation's evicted blocks, in order
         self.ref_counts = [0] * num_blocks
         self.keys: list[BlockKey | None] = [None] * num_blocks  # set while a block is cached
@@ -135,8 +137,10 @@ class BlockPool:
             return False
         self.keys[block_id], self.groups[block_id] = key, group
         self._by_hash[group, key.block_hash] = block_id
-        if self.events is not None and group == self.event_group:
-            self.events.stored(key.block_hash, key.parent_hash, key.token_ids)
+        if self.events is not None:
+            self.events.stored(
+                self.event_groups[group], key.block_hash, key.parent_hash, key.token_ids
+            )
         return True
 
     def cached_block(self, block_hash: bytes, group: int = 0) -> int | None:
@@ -150,20 +154,23 @@ class BlockPool:
             if i in self._cached:
                 self._cached.move_to_end(i, last=False)
 
-    def drop_cached(self) -> int:
-        """Forget every free cached block (they become empty); return how many."""
+    @property
+    def is_all_free_cached(self) -> bool:
+        """Whether `drop_cached` would empty the index (no held block is indexed)."""
+        return len(self._cached) == len(self._by_hash)
+
+    def drop_cached(self, is_reported: bool = True) -> int:
+        """Forget every free cached block (they become empty); return how many. Each one's
+        removal is reported unless `is_reported` is False (the caller reports `cleared`)."""
         dropped = list(self._cached)
         self._cached.clear()
-        is_all = len(dropped) == len(self._by_hash)  # held cached blocks stay indexed
         for i in dropped:
             block_hash = self.keys[i].block_hash
             del self._by_hash[self.groups[i], block_hash]
             self.keys[i] = None
             self._empty[i] = None
-            if self.events is not None and not is_all and self.groups[i] == self.event_group:
-                self.events.removed(block_hash)
-        if self.events is not None and is_all:
-            self.events.cleared()
+            if self.events is not None and is_reported:
+                self.events.removed(self.event_groups[self.groups[i]], block_hash)
         return len(dropped)
 
     def _evict(self, block_id: int) -> BlockKey | None:
@@ -174,6 +181,6 @@ class BlockPool:
         del self._by_hash[self.groups[block_id], key.block_hash]
         self.keys[block_id] = None
         self.num_evictions += 1
-        if self.events is not None and self.groups[block_id] == self.event_group:
-            self.events.removed(key.block_hash)
+        if self.events is not None:
+            self.events.removed(self.event_groups[self.groups[block_id]], key.block_hash)
         return key

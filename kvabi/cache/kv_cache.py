@@ -34,7 +34,7 @@ from kvabi.cache.block_api import (  # noqa: F401 - the block API's types, re-ex
     held_blocks,
 )
 from kvabi.cache.block_codec import stack_blocks
-from kvabi.cache.block_events import BlockEventSink
+from kvabi.cache.block_events import BlockEventSink, event_groups
 from kvabi.cache.block_groups import plan_groups
 from kvabi.cache.block_hasher import BlockHasher, BlockKey
 from kvabi.cache.block_pool import BlockPool
@@ -87,14 +87,13 @@ class KVCache:
         self.pool_tiers = [self.tiers]  # per pool: the tiers below it, with its codec
         if self.tiers is not None:
             self.pool_tiers += [self.tiers.beside(s, tiers) for s in self.storages[1:]]
-        event_group = next((g.group_id for g in self.groups if g.window == 0), 0)
-        event_pool = self.groups[event_group].pool_id
+        self.events = events
         self.pools = [
             BlockPool(
                 n,
-                events if i == event_pool else None,
+                events,
                 self._write_down_of(i) if self.tiers is not None else None,
-                event_group,
+                event_groups(self.plan),
             )
             for i, n in enumerate(counts)
         ]
@@ -252,6 +251,16 @@ class KVCache:
         return ImportResult(last * bs, self._place(pooled, keys, [payload.cache]))
 
     # ---- housekeeping ----
+
+    def drop_cached(self) -> int:
+        """Forget every pool's free cached blocks; return how many. When that empties every
+        pool's index, followers of the events hear one `cleared`; else each block's removal
+        (a pool emptied beside one that still holds blocks is not the cache cleared)."""
+        is_all = all(p.is_all_free_cached for p in self.pools)
+        num_dropped = sum(p.drop_cached(is_reported=not is_all) for p in self.pools)
+        if is_all and self.events is not None:
+            self.events.cleared()
+        return num_dropped
 
     def flat_stats(self) -> dict[str, float]:
         """Prefix cache and tier metrics as flat `name -> value` (kvabi/cache/cache_stats.py)."""

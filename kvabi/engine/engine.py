@@ -263,9 +263,9 @@ class LLMEngine:
         return tuple(self.cache.stats.tags)
 
     def reset_prefix_cache(self) -> int:
-        """Forget the pool's unreferenced cached blocks (lower tiers keep theirs); return how
+        """Forget every pool's unreferenced cached blocks (lower tiers keep theirs); return how
         many were dropped."""
-        return sum(pool.drop_cached() for pool in self.cache.pools)
+        return self.cache.drop_cached()
 
     def flush_tiers(self) -> None:
         """Wait until every queued write-down has reached the lower tiers."""

@@ -3,8 +3,12 @@
 A batch is a msgpack array `[ts, events, data_parallel_rank]` (ts: float64 seconds since the
 epoch). Each event is a msgpack map whose first key `type` names it, then its fields in vLLM's
 order: `BlockStored` {block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-lora_name}, `BlockRemoved` {block_hashes, medium}, `AllBlocksCleared` {}. Fields vLLM leaves
-at their default (extra_keys, group_idx, ...) are omitted, as its encoder does. Hashes are bin
+lora_name, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window}, `BlockRemoved`
+{block_hashes, medium, group_idx}, `AllBlocksCleared` {}. Fields that have a default in vLLM
+and are at it (None: extra_keys, a uniform cache's group fields, a full group's window, ...)
+are omitted, as its encoder (`omit_defaults`) does, so a uniform cache's bytes are those of
+vLLM's events without groups. A hybrid cache's events carry their block group
+(kvabi/cache/block_events.py); a reader takes a missing `group_idx` as group 0. Hashes are bin
 (32-byte kvabi block hashes, docs/ABI.md section 4). Any msgpack reader can decode it, and vLLM's
 own `msgspec` decoder for `KVEventBatch` does (tests/routing/test_kv_event_codec.py).
 
@@ -22,8 +26,9 @@ import msgpack
 from kvabi.cache.block_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
 
 STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id")
-STORED_FIELDS += ("medium", "lora_name")
-REMOVED_FIELDS = ("block_hashes", "medium")
+STORED_FIELDS += ("medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind")
+STORED_FIELDS += ("kv_cache_spec_sliding_window",)
+REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 
 
 class EventDecodeError(ValueError):
@@ -54,14 +59,25 @@ def _encode_event(event: BlockEvent) -> dict[str, Any]:
             "lora_id": None,
             "medium": event.medium,
             "lora_name": None,
+            **_set(
+                group_idx=event.group_idx,
+                kv_cache_spec_kind=event.kv_cache_spec_kind,
+                kv_cache_spec_sliding_window=event.kv_cache_spec_sliding_window,
+            ),
         }
     if isinstance(event, BlockRemoved):
         return {
             "type": "BlockRemoved",
             "block_hashes": list(event.block_hashes),
             "medium": event.medium,
+            **_set(group_idx=event.group_idx),
         }
     return {"type": "AllBlocksCleared"}
+
+
+def _set(**fields: Any) -> dict[str, Any]:
+    """The fields not at vLLM's default (None), in order: what `omit_defaults` writes."""
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 def decode_batch(payload: bytes) -> EventBatch:
@@ -94,9 +110,13 @@ def _decode_event(raw: Any) -> BlockEvent | None:
             tuple(raw.get("token_ids") or ()),
             int(raw["block_size"]),
             raw.get("medium") or "GPU",
+            raw.get("group_idx"),
+            raw.get("kv_cache_spec_kind"),
+            raw.get("kv_cache_spec_sliding_window"),
         )
     if kind == "BlockRemoved":
-        return BlockRemoved(tuple(raw["block_hashes"]), raw.get("medium") or "GPU")
+        medium = raw.get("medium") or "GPU"
+        return BlockRemoved(tuple(raw["block_hashes"]), medium, raw.get("group_idx"))
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
     return None  # a newer event type: not ours to follow

@@ -1,4 +1,4 @@
-"""`KVEventPublisher`: a pool's block events out on a ZMQ PUB socket, as vLLM publishes them.
+"""`KVEventPublisher`: a cache's block events out on a ZMQ PUB socket, as vLLM publishes them.
 
 A thread drains a `BlockEventLog` and sends each batch as three frames: the topic, the
 batch's sequence number (8 bytes, big-endian, from 0), and the msgpack payload

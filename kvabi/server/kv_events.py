@@ -1,5 +1,6 @@
-"""The server's KV events: its pool's block events published in vLLM's format, and the route a
-prefix-aware router asks for a request's token ids and hash root.
+"""The server's KV events: its cache's block events (every pool's, each naming its block group)
+published in vLLM's format, and the route a prefix-aware router asks for a request's token ids
+and hash root.
 
 `kvabi serve --kv-events tcp://127.0.0.1:PORT` (any role) builds the engine with a
 `BlockEventLog` (`server_hooks`) and publishes it (kvabi/routing/kv_event_publisher.py). The

@@ -39,6 +39,35 @@ GOLDEN = bytes.fromhex(
     "00"  # 0]
 )
 
+HYBRID = [
+    BlockStored((b"\x01" * 4,), None, (1, 2), 2, "CPU", 0, "sliding_window", 4),
+    BlockStored((b"\x01" * 4,), None, (1, 2), 2, "CPU", 1, "full_attention"),
+    BlockRemoved((b"\x02",), "CPU", 0),
+]
+# the same, with vLLM 0.32.0's BlockStored(..., group_idx=0, kv_cache_spec_kind="sliding_window",
+# kv_cache_spec_sliding_window=4), BlockStored(..., group_idx=1,
+# kv_cache_spec_kind="full_attention"), BlockRemoved(..., group_idx=0): the group fields follow
+# lora_name (extra_keys, at its default, is left out), a full group's window too
+STORED = (
+    "a474797065ab426c6f636b53746f726564"  # "type": "BlockStored",
+    "ac626c6f636b5f68617368657391c40401010101"  # "block_hashes": [b"\1\1\1\1"],
+    "b1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f696473920102"  # parent, token_ids
+    "aa626c6f636b5f73697a6502a76c6f72615f6964c0"  # "block_size": 2, "lora_id": None,
+    "a66d656469756da3435055a96c6f72615f6e616d65c0"  # "medium": "CPU", "lora_name": None,
+)
+HYBRID_GOLDEN = bytes.fromhex(
+    "93cb3ff800000000000093"  # [1.5, [
+    "8b" + STORED + "a967726f75705f69647800"  # {..., "group_idx": 0,
+    "b26b765f63616368655f737065635f6b696e64ae736c6964696e675f77696e646f77"  # kind: "sliding_window"
+    "bc6b765f63616368655f737065635f736c6964696e675f77696e646f7704"  # "..._sliding_window": 4},
+    "8a" + STORED + "a967726f75705f69647801"  # {..., "group_idx": 1,
+    "b26b765f63616368655f737065635f6b696e64ae66756c6c5f617474656e74696f6e"  # "full_attention"},
+    "84a474797065ac426c6f636b52656d6f766564"  # {"type": "BlockRemoved",
+    "ac626c6f636b5f68617368657391c40102a66d656469756da3435055"  # block_hashes, "medium": "CPU",
+    "a967726f75705f69647800"  # "group_idx": 0}],
+    "00"  # 0]
+)
+
 VLLM_DECODE = """
 import sys, msgspec
 from vllm.distributed.kv_events import KVEventBatch
@@ -55,6 +84,17 @@ print("RESULT " + __import__("json").dumps(out))
 
 def test_encoding_is_the_golden_bytes():
     assert encode_batch(EVENTS, 1.5, 0) == GOLDEN
+
+
+def test_a_hybrid_caches_events_carry_their_group_as_vllms_encoder_writes_them():
+    assert encode_batch(HYBRID, 1.5, 0) == HYBRID_GOLDEN
+    assert decode_batch(HYBRID_GOLDEN) == EventBatch(1.5, tuple(HYBRID), 0)
+    old = msgpack.packb(  # the array form, with vLLM's later fields in order
+        [1.0, [["BlockStored", [b"h"], None, [7], 1, None, "GPU", None, None, 2, "full_attention"]]]
+    )
+    assert decode_batch(old).events == (
+        BlockStored((b"h",), None, (7,), 1, "GPU", 2, "full_attention"),
+    )
 
 
 def test_decoding_round_trips_and_reads_the_older_array_form():
@@ -119,3 +159,30 @@ def test_vllms_own_decoder_reads_our_batches():
     assert removed[1]["block_hashes"] == [h2.hex(), h1.hex()]
     assert removed[1]["medium"] == "CPU"
     assert cleared == ["AllBlocksCleared", {}]
+
+
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm with vLLM installed")
+def test_vllms_own_decoder_reads_a_hybrid_caches_groups():
+    h1, h2 = bytes(range(32)), bytes(range(32, 64))
+    events = [
+        BlockStored((h1, h2), None, tuple(range(8)), 4, "CPU", 0, "sliding_window", 6),
+        BlockStored((h1, h2), None, tuple(range(8)), 4, "CPU", 1, "full_attention"),
+        BlockRemoved((h1,), "CPU", 0),
+        BlockRemoved((h2,), "CPU"),  # no group: vLLM reads None
+    ]
+    run = subprocess.run(
+        [str(VLLM_PYTHON), "-c", VLLM_DECODE],
+        input=encode_batch(events, 2.0, 0),
+        capture_output=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    line = next(x for x in run.stdout.decode().splitlines() if x.startswith("RESULT "))
+    _, _, sliding, full, removed, ungrouped = json.loads(line[len("RESULT ") :])
+    fields = ("group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
+    assert [sliding[1][f] for f in fields] == [0, "sliding_window", 6]
+    assert [full[1][f] for f in fields] == [1, "full_attention", None]
+    assert sliding[1]["block_hashes"] == full[1]["block_hashes"] == [h1.hex(), h2.hex()]
+    assert removed[0] == "BlockRemoved"
+    assert (removed[1]["block_hashes"], removed[1]["group_idx"]) == ([h1.hex()], 0)
+    assert ungrouped[1]["group_idx"] is None

@@ -8,7 +8,7 @@ import msgpack
 import pytest
 import zmq
 
-from kvabi.cache.block_events import BlockEventLog
+from kvabi.cache.block_events import UNIFORM, BlockEventLog
 from kvabi.routing.kv_event_publisher import END_SEQ, KVEventPublisher
 from kvabi.routing.kv_event_subscriber import KVEventSubscriber
 from kvabi.routing.prefix_index import PrefixIndex
@@ -38,10 +38,10 @@ def test_a_plain_msgpack_zmq_subscriber_reads_the_schema(sub_socket):
     try:
         sub_socket.connect(address)
         time.sleep(0.5)  # a SUB socket misses what is sent before its subscription arrives
-        log.stored(H[0], None, (1, 2))
-        log.stored(H[1], H[0], (3, 4))
+        log.stored(UNIFORM, H[0], None, (1, 2))
+        log.stored(UNIFORM, H[1], H[0], (3, 4))
         topic, seq, payload = sub_socket.recv_multipart()
-        log.removed(H[1])
+        log.removed(UNIFORM, H[1])
         second = sub_socket.recv_multipart()
     finally:
         publisher.close()
@@ -74,7 +74,7 @@ def test_replay_sends_the_kept_batches_from_a_sequence_number_then_the_end_marke
     req.setsockopt(zmq.RCVTIMEO, 5000)
     try:
         for h in H[:3]:  # three batches, seq 0, 1, 2; the buffer keeps the last two
-            log.removed(h)
+            log.removed(UNIFORM, h)
             deadline = time.monotonic() + 5
             while publisher.num_sent < H.index(h) + 1 and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -97,15 +97,15 @@ def test_our_subscriber_feeds_the_index_and_a_restart_forgets_the_old_blocks():
     publisher = KVEventPublisher(address, log).start()
     try:
         time.sleep(0.5)
-        log.stored(H[0], None, (1, 2))
-        log.stored(H[1], H[0], (3, 4))
+        log.stored(UNIFORM, H[0], None, (1, 2))
+        log.stored(UNIFORM, H[1], H[0], (3, 4))
         _wait(lambda: index.num_blocks() == {"a": 2})
         assert index.match(["a", "b"], {2: H[:3]}) == {"a": 4, "b": 0}
         publisher.close()
         log = BlockEventLog()  # a restarted instance: sequence numbers start at 0 again
         publisher = KVEventPublisher(address, log).start()
         time.sleep(0.5)
-        log.stored(H[2], None, (5, 6))
+        log.stored(UNIFORM, H[2], None, (5, 6))
         _wait(lambda: index.num_blocks() == {"a": 1})
         assert index.match(["a"], {2: [H[2]]}) == {"a": 2}
     finally:

@@ -33,6 +33,42 @@ def test_index_follows_stored_removed_and_cleared():
     assert index.match(["b"], {4: H[:4]}) == {"b": 0}
 
 
+def grouped(hashes, group, window=None) -> BlockStored:
+    kind = "sliding_window" if window else "full_attention"
+    return BlockStored(
+        tuple(hashes), None, tuple(range(4 * len(hashes))), 4, "CPU", group, kind, window
+    )
+
+
+def test_a_hybrid_instance_scores_the_full_groups_run_with_the_sliding_groups_window():
+    index = PrefixIndex()
+    # group 0 slides (window 6: a prefix of h blocks needs blocks from (4h - 5) // 4 on),
+    # group 1 is full attention; the sliding group's window moved on past blocks 0-2
+    index.apply("a", 0, batch(grouped(H[:6], 0, 6), grouped(H[:6], 1)))
+    index.apply("a", 1, batch(BlockRemoved(tuple(H[:3]), "CPU", 0)))
+    assert index.num_blocks() == {"a": 9}
+    assert index.match(["a"], {4: H}) == {"a": 24}  # all six: the full group's run
+    index.apply("a", 2, batch(BlockRemoved((H[0],), "CPU", 7)))  # a group never stored
+    assert index.match(["a"], {4: H}) == {"a": 24}
+    index.apply("a", 3, batch(BlockRemoved((H[5],), "CPU", 0)))  # a hole in the window
+    assert index.match(["a"], {4: H}) == {"a": 20}  # 5 blocks: the window needs blocks 3, 4
+    index.apply("a", 4, batch(BlockRemoved((H[2],), "CPU", 1)))  # the full group's run: 2
+    # and 2 blocks would need blocks 0, 1 of the sliding group, which it gave up
+    assert index.match(["a"], {4: H}) == {"a": 0}
+
+
+def test_events_without_a_group_are_group_0_and_a_sliding_only_model_needs_its_window():
+    index = PrefixIndex()
+    index.apply("old", 0, batch(stored(H[:3]), grouped(H[:2], 0)))  # one group, twice named
+    index.apply("old", 1, batch(BlockRemoved((H[1],), "CPU")))
+    assert index.match(["old"], {4: H}) == {"old": 4}
+    index.apply("swa", 0, batch(grouped(H[2:5], 0, 6)))  # blocks 0, 1 already out of window
+    assert index.match(["swa"], {4: H[:5]}) == {"swa": 20}
+    assert index.match(["swa"], {4: H[:5] + [G[0]]}) == {"swa": 20}
+    index.apply("swa", 1, batch(AllBlocksCleared()))
+    assert index.match(["swa"], {4: H}) == {"swa": 0}
+
+
 def test_each_instance_is_matched_with_the_hashes_of_its_block_size():
     index = PrefixIndex()
     index.apply("small", 0, batch(stored(H[:2], bs=4)))
