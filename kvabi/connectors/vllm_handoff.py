@@ -41,7 +41,6 @@ from kvabi.engine.engine import KV_LAYOUTS, model_spec
 from kvabi.engine.llm import LLM
 from kvabi.engine.sampling_params import SamplingParams
 from kvabi.models.registry import LoadedModel
-from kvabi.transfer.kv_staging import stage_payload
 from kvabi.wire import read_container, write_container
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -155,9 +154,11 @@ def kvabi_from_vllm(h: Handoff, container: Path) -> dict[str, Any]:
 
 def _import_into_pool(h: Handoff, container: Path) -> dict[str, Any]:
     src = read_container(container, expect=h.descriptor().model)
-    payload = KVPayload(0, tuple(src.token_ids), tuple(src.block_hashes), src.cache)
     llm = h.engine()
-    payload = stage_payload(payload, llm.engine.info.descriptor)  # 128-token blocks -> 16
+    blocks = convert(  # 128-token blocks -> the engine's 16; sliding layers' zeros stay zeros
+        src.cache, llm.engine.info.descriptor, num_tokens=len(src.token_ids)
+    )
+    payload = KVPayload(0, tuple(src.token_ids), tuple(src.block_hashes), blocks)
     imported = llm.engine.cache.import_blocks(h.prompt_ids, None, payload)
     tokens = h.greedy(llm)
     llm.engine.close()

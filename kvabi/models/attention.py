@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from kvabi.abi.descriptor import SHARED, LayerSpec
+from kvabi.abi.descriptor import MLA, SHARED, LayerSpec
 from kvabi.models.config import ModelConfig
 
 
@@ -27,6 +27,13 @@ class AttentionFn(Protocol):
         the layer's window, if its spec has one), scaling scores by 1/sqrt(head_dim): a model
         with another scale folds it into q. A layer that shares an earlier layer's KV
         (`LayerSpec.shares`) passes k = v = None and attends to that layer's K/V.
+
+        An MLA layer (`LayerSpec.kind == MLA`, DeepSeek) passes its latents: k = c_kv
+        [T, 1, latent_dim] (after `kv_a_layernorm`), v = k_pe [T, 1, rope_dim] (after RoPE),
+        which the callee stores as the layer's `latent` and `rope` planes; q is the absorbed
+        query [T, num_heads, latent_dim + rope_dim] (q_nope through W_UK, then q_pe). Scores
+        are q . [c_kv | k_pe] / sqrt(latent_dim + rope_dim), the values are c_kv: the result is
+        [T, num_heads, latent_dim], which the model takes through W_UV.
         """
         ...
 
@@ -37,7 +44,9 @@ class ContiguousAttention:
     Each call appends the new K/V of `layer_id` and lets the new queries attend to everything kept
     so far: query t of a call is at position `num_cached + t`. A layer's `window` (Mistral,
     Gemma's sliding layers) limits a query to the last `window` keys, itself included; a shared
-    layer reads its target's K/V. The reference the paged engine is tested against.
+    layer reads its target's K/V; an MLA layer keeps its latents (`keys`: c_kv, `values`: k_pe,
+    HF's DeepSeek cache) and attends over them absorbed. The reference the paged engine is
+    tested against.
     """
 
     def __init__(self, layers: Sequence[LayerSpec]) -> None:
@@ -72,6 +81,8 @@ class ContiguousAttention:
             assert k is not None and v is not None
             keys = self._append(self.keys, layer_id, k)  # [L, num_kv_heads, head_dim]
             values = self._append(self.values, layer_id, v)
+        if spec.kind == MLA:  # keys: the latents c_kv, values: k_pe (as HF's cache keeps them)
+            keys, values = torch.cat((keys, values), dim=-1), keys
         num_queries, num_keys = q.shape[0], keys.shape[0]
         is_causal = spec.window == 0 and num_queries == num_keys > 1  # SDPA's own mask
         mask = None if is_causal else causal_mask(num_queries, num_keys, spec.window, q.device)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvabi.abi.descriptor import ATTN, SHARED, LayerSpec
+from kvabi.abi.descriptor import ATTN, MLA, SHARED, LayerSpec
 from kvabi.models import ContiguousAttention, LlamaModel, ModelConfig
 from tests.models.tiny import our_logits, our_logits_incremental, random_ids
 
@@ -90,3 +90,19 @@ def test_a_shared_layer_attends_to_its_targets_kv() -> None:
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="layers"):
         ContiguousAttention(())
+
+
+def test_mla_layer_attends_absorbed_over_its_latents() -> None:
+    """An MLA layer: keys [c_kv | k_pe] (one head), values c_kv, scale 1/sqrt(latent + rope);
+    the latents are kept as HF's DeepSeek cache keeps them (keys c_kv, values k_pe)."""
+    torch.manual_seed(0)
+    attn = ContiguousAttention([LayerSpec(MLA, latent_dim=8, rope_dim=4)])
+    q, c_kv, k_pe = torch.randn(5, 3, 12), torch.randn(5, 1, 8), torch.randn(5, 1, 4)
+    first = attn(0, q[:3], c_kv[:3], k_pe[:3])
+    rest = attn(0, q[3:], c_kv[3:], k_pe[3:])  # two more tokens, after the first three
+    keys = torch.cat((c_kv, k_pe), dim=-1)[:, 0]  # [5, 12]
+    scores = q.transpose(0, 1) @ keys.T / 12**0.5  # [3 heads, 5, 5]
+    scores = scores + torch.full((5, 5), float("-inf")).triu(1)
+    want = (scores.softmax(-1) @ c_kv[:, 0]).transpose(0, 1)  # [5, 3, 8]
+    torch.testing.assert_close(torch.cat((first, rest)), want, atol=1e-6, rtol=0)
+    assert torch.equal(attn.keys[0], c_kv) and torch.equal(attn.values[0], k_pe)
