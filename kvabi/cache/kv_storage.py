@@ -2,7 +2,9 @@
 
 The layout is data: any attention preset works (e.g. `vllm-flash-attn` = NHD blocks,
 `vllm-flash-attn-hnd` = HND). Readers and writers go through canonical per-layer views
-`[block, slot, head, dim]`, so nothing here knows the physical axis order.
+`[block, slot, head, dim]`, so nothing here knows the physical axis order. An MLA model's
+layers (DeepSeek) keep their latent (c_kv) as `k` and their RoPE part (k_pe) as `v`, side by
+side in one buffer (`vllm-mla`: 576 values per token), whose joint view the attention reads.
 """
 
 from __future__ import annotations
@@ -13,27 +15,48 @@ import torch
 
 from kvabi.abi.buffers import CacheBuffers, group_views
 from kvabi.abi.convert import convert
-from kvabi.abi.descriptor import ATTN, Descriptor
+from kvabi.abi.descriptor import ATTN, MLA, Descriptor
 
 
 class KVStorage:
     def __init__(self, desc: Descriptor, num_blocks: int) -> None:
         if desc.layout.quant != "none" or not desc.layout.is_paged:
             raise ValueError(f"kv layout: the engine needs a paged, unquantised layout, got {desc}")
-        if any(x.kind != ATTN for x in desc.model.layers):
-            raise ValueError("kv layout: the engine caches attention (K/V) layers only")
+        kinds = {x.kind for x in desc.model.layers}
+        if len(kinds) != 1 or not kinds <= {ATTN, MLA}:
+            raise ValueError(
+                f"kv layout: the engine caches attention (K/V) or MLA layers, one kind per "
+                f"storage; got {sorted(kinds)}"
+            )
         self.desc = desc
         self.block_size = desc.layout.block_size
         self.buffers = CacheBuffers.empty(desc, num_blocks, "zeros")
         self.k: list[torch.Tensor] = []  # per layer [num_blocks, block_size, num_kv_heads, dim]
         self.v: list[torch.Tensor] = []
+        # MLA: per layer [num_blocks, block_size, 1, latent + rope], k its latent, v its rope
+        self.joint: list[torch.Tensor] = []
         for layer_id in range(desc.model.num_layers):
-            views = {
-                planes[0].name: view
-                for planes, view in group_views(desc, self.buffers.tensors, layer_id)
-            }
+            groups = group_views(desc, self.buffers.tensors, layer_id)
+            if desc.model.layers[layer_id].kind == MLA:
+                self._add_mla(layer_id, groups)
+                continue
+            views = {planes[0].name: view for planes, view in groups}
             self.k.append(views["k"])
             self.v.append(views["v"])
+
+    def _add_mla(self, layer_id: int, groups: list) -> None:
+        """An MLA layer's latent and rope, stored side by side (one `concat` plane group, as
+        vLLM's MLA cache): attention reads [latent | rope] as its keys, the latent as values."""
+        if len(groups) != 1 or not isinstance(groups[0][1], torch.Tensor):
+            raise ValueError(
+                f"kv layout {self.desc.layout.name}: MLA layer {layer_id} needs latent and rope "
+                "side by side in one strided buffer (planes=concat, e.g. vllm-mla)"
+            )
+        joint = groups[0][1]
+        latent = self.desc.model.layers[layer_id].latent_dim
+        self.joint.append(joint)
+        self.k.append(joint[..., :latent])
+        self.v.append(joint[..., latent:])
 
     @property
     def num_blocks(self) -> int:

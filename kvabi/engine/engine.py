@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvabi.abi.descriptor import Descriptor, ModelSpec
+from kvabi.abi.descriptor import MLA, Descriptor, ModelSpec
 from kvabi.abi.presets import PRESETS, preset_descriptor
 from kvabi.cache.block_events import BlockEventSink
 from kvabi.cache.block_groups import plan_groups
@@ -39,6 +39,17 @@ from kvabi.models.registry import LoadedModel
 
 log = logging.getLogger("kvabi.engine")
 KV_LAYOUTS = {"nhd": "vllm-flash-attn", "hnd": "vllm-flash-attn-hnd"}
+MLA_LAYOUTS = {"nhd": "vllm-mla", "hnd": "vllm-mla"}  # an MLA latent has one head: no H axis
+
+
+def kv_layout_preset(kv_layout: str, model: ModelSpec) -> str:
+    """The preset of `EngineConfig.kv_layout` for this model: nhd/hnd name attention presets,
+    and for an MLA model (DeepSeek) vLLM's MLA layout, 576 values per token side by side."""
+    if any(x.kind == MLA for x in model.layers):
+        return MLA_LAYOUTS.get(kv_layout, kv_layout)
+    return KV_LAYOUTS.get(kv_layout, kv_layout)
+
+
 # (the cache, layer_id, the sequences whose prompt this step completes)
 PromptLayerHook = Callable[[KVCache, int, tuple[Sequence, ...]], None]
 
@@ -134,9 +145,10 @@ class LLMEngine:
     @staticmethod
     def _start(loaded: LoadedModel, config: EngineConfig, fingerprint: str) -> EngineInfo:
         dtype = "bf16" if loaded.model.dtype == torch.bfloat16 else "f32"
+        spec = model_spec(loaded, fingerprint)
         desc = preset_descriptor(
-            KV_LAYOUTS.get(config.kv_layout, config.kv_layout),
-            model_spec(loaded, fingerprint),
+            kv_layout_preset(config.kv_layout, spec),
+            spec,
             block_size=config.block_size,
             dtype=dtype,
         )

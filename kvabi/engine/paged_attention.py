@@ -13,6 +13,8 @@ A hybrid model's layers belong to block groups (kvabi/cache/block_groups.py): ea
 its own block tables and so its own `StepContext`; a sliding group's context holds only the
 blocks its window reaches (`SeqSlice.first_key` on) and masks keys the window excludes. Layers
 that share an earlier layer's KV (k = v = None) read that layer's views and store nothing.
+An MLA layer (DeepSeek; k = c_kv, v = k_pe, q absorbed: `AttentionFn`) stores its latents side
+by side and attends over [c_kv | k_pe] with c_kv as the values (`_attend_mla`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvabi.abi.descriptor import MLA
 from kvabi.cache.kv_cache import KVCache
 from kvabi.cache.kv_storage import KVStorage
 from kvabi.models.attention import causal_mask
@@ -66,6 +69,7 @@ class LayerKV:
     group_ids: tuple[int, ...]
     is_owner: tuple[bool, ...]
     block_size: int
+    is_mla: tuple[bool, ...] = ()
 
     @classmethod
     def of(cls, cache: KVCache) -> LayerKV:
@@ -77,7 +81,14 @@ class LayerKV:
             tuple(cache.plan.group_of(i) for i in range(len(layers))),
             tuple(x.has_kv for x in layers),
             cache.block_size,
+            tuple(x.kind == MLA for x in layers),
         )
+
+    def mla_view(self, layer_id: int) -> tuple[torch.Tensor, int]:
+        """An MLA layer's [latent | rope] per slot, [block, slot, 1, latent + rope], and the
+        latent's width (the values are the first `latent` elements of each key)."""
+        storage, slot = self.storages[layer_id], self.slots[layer_id]
+        return storage.joint[slot], storage.k[slot].shape[-1]
 
     def views(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V, each [block, slot, heads, dim]."""
@@ -131,6 +142,8 @@ class PagedAttention:
             self.kv.write(layer_id, ctx, k, v)
         if self._on_layer is not None:
             self._on_layer(layer_id)
+        if self.kv.is_mla and self.kv.is_mla[layer_id]:
+            return self._attend_mla(layer_id, q, ctx)
         if self.backend != "reference" and not ctx.prefills:  # decodes only: rows 0..n-1
             return self._attend_decodes(layer_id, q, ctx)
         out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
@@ -214,3 +227,30 @@ class PagedAttention:
             enable_gqa=True,
         )  # [S, H, 1, D]
         return o.squeeze(2)
+
+    def _attend_mla(self, layer_id: int, q: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """Absorbed MLA over the paged latents: q [T, H, latent + rope] -> [T, H, latent]; one
+        key head [latent | rope] per token, its latent as the value (every backend: SDPA per
+        prefill chunk, one padded SDPA call for the step's decodes)."""
+        joint, latent = self.kv.mla_view(layer_id)
+        out = q.new_empty((*q.shape[:-1], latent))
+        prefills = ctx.seqs if self.backend == "reference" else ctx.prefills
+        for s in prefills:
+            rows = slice(s.query_start, s.query_start + s.num_queries)
+            keys = joint[s.block_table].flatten(0, 1)[: s.context_len - s.first_key, 0]
+            keys = keys.to(q.dtype)  # [L, latent + rope]
+            mask = causal_mask(s.num_queries, s.context_len, ctx.window, first_key=s.first_key)
+            o = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1)[None], keys[None, None], keys[None, None, :, :latent],
+                attn_mask=mask, enable_gqa=True,
+            )  # fmt: skip
+            out[rows] = o[0].transpose(0, 1)
+        if self.backend != "reference" and len(ctx.decode_query_rows):
+            rows = ctx.decode_query_rows
+            keys = joint[ctx.decode_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+            o = F.scaled_dot_product_attention(  # [S, H, 1, latent]
+                q[rows].unsqueeze(2), keys, keys[..., :latent], attn_mask=ctx.decode_mask,
+                enable_gqa=True,
+            )  # fmt: skip
+            out[rows] = o.squeeze(2)
+        return out

