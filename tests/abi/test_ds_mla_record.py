@@ -110,6 +110,8 @@ def test_hand_built_records_match_the_pins():
     assert [hashlib.sha256(r).hexdigest() for r in records] == GOLDEN_SHA256
     assert [r[512:528].hex() for r in records] == GOLDEN_SCALES
     assert records[1][128:256] == bytes(128)  # the all-zero tile
+    assert records[2][:16].hex(" ") == "7e fe 7e 7c b8 3a 00 02 01 07 08 08 80 58 da 2a"
+    assert records[2][509:512].hex(" ") == "3a 7e ca"
     assert struct.unpack("<f", records[1][516:520])[0] == FLT_MIN
 
 
