@@ -185,3 +185,8 @@ def test_non_finite_values_are_refused(bad, index):
     x[index] = bad
     with pytest.raises(CodecError, match=f"non-finite value at index \\[{index}\\]"):
         encode_records(x)
+
+
+def test_a_layout_cannot_split_the_record():
+    with pytest.raises(DescriptorError, match="C innermost, untiled"):
+        Layout("BNHCc16", 64, "u8", quant="fp8_ds_mla", planes="concat")
