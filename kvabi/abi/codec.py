@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvabi.abi import ds_mla_record
 from kvabi.abi.descriptor import GGML_QUANTS, Layout, Plane
 
 TORCH_DTYPES = {
@@ -24,7 +25,6 @@ TORCH_DTYPES = {
 GGML_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24}
 QMAX = {"int8": 127.0, "fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
 SCALE_BYTES = 4  # one float32 scale per (token, head) for per_token_head
-DS_MLA_LATENT, DS_MLA_TILE, DS_MLA_ROPE, DS_MLA_BYTES = 512, 128, 64, 656
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -37,7 +37,7 @@ def stored_width(layout: Layout, planes: tuple[Plane, ...]) -> int:
     if layout.quant == "per_token_head":
         return width + SCALE_BYTES  # storage dtypes here are one byte wide
     if layout.quant == "fp8_ds_mla":
-        return DS_MLA_BYTES
+        return ds_mla_record.RECORD_BYTES
     if layout.quant in GGML_QUANTS:
         return width // 32 * GGML_BLOCK_BYTES[layout.quant]
     return width
@@ -69,7 +69,7 @@ def decode(
         scale = stored[..., width:].contiguous().view(torch.uint8).view(torch.float32)
         return stored[..., :width].float() * scale
     if q == "fp8_ds_mla":
-        return _decode_ds_mla(stored)
+        return ds_mla_record.decode_records(stored)
     return _decode_ggml(stored, q)
 
 
@@ -89,7 +89,7 @@ def encode(
     if q == "per_token_head":
         return _encode_per_token_head(values, layout.dtype)
     if q == "fp8_ds_mla":
-        return _encode_ds_mla(values)
+        return ds_mla_record.encode_records(values)
     return _encode_ggml(values, q)
 
 
@@ -121,29 +121,6 @@ def _encode_per_token_head(values: torch.Tensor, dtype_name: str) -> torch.Tenso
         q = _to_fp8(scaled, torch_dtype(dtype_name))
     scale_bytes = scale.float().contiguous().view(torch.uint8).view(q.dtype)
     return torch.cat([q, scale_bytes], dim=-1)
-
-
-def _decode_ds_mla(stored: torch.Tensor) -> torch.Tensor:
-    b = stored.contiguous()
-    latent = b[..., :DS_MLA_LATENT].view(torch.float8_e4m3fn).float()
-    tile_scales = b[..., DS_MLA_LATENT : DS_MLA_LATENT + 16].contiguous().view(torch.float32)
-    latent = latent * tile_scales.repeat_interleave(DS_MLA_TILE, dim=-1)
-    rope = b[..., DS_MLA_LATENT + 16 :].contiguous().view(torch.bfloat16).float()
-    return torch.cat([latent, rope], dim=-1)
-
-
-def _encode_ds_mla(values: torch.Tensor) -> torch.Tensor:
-    latent, rope = values[..., :DS_MLA_LATENT], values[..., DS_MLA_LATENT:]
-    tiles = latent.unflatten(-1, (DS_MLA_LATENT // DS_MLA_TILE, DS_MLA_TILE))
-    amax = tiles.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / QMAX["fp8_e4m3"], torch.ones_like(amax))
-    q = _to_fp8(tiles / scale, torch.float8_e4m3fn).flatten(-2)
-    parts = [
-        q.view(torch.uint8),
-        scale.squeeze(-1).float().contiguous().view(torch.uint8),
-        rope.to(torch.bfloat16).contiguous().view(torch.uint8),
-    ]
-    return torch.cat(parts, dim=-1)
 
 
 def _ggml_type(name: str):  # noqa: ANN202 - gguf's enum

@@ -15,3 +15,7 @@ class IncompatibleError(KvabiError, ValueError):
 
 class ShapeError(KvabiError, ValueError):
     """A tensor whose shape or dtype disagrees with its descriptor."""
+
+
+class CodecError(KvabiError, ValueError):
+    """Values a codec refuses to encode, because the stored bytes could not be vouched for."""

@@ -282,7 +282,7 @@ def _ds_mla_record(latent: np.ndarray, rope: np.ndarray) -> bytes:
     scales = []
     for i in range(4):
         tile = latent[128 * i : 128 * (i + 1)]
-        scale = np.float32(np.abs(tile).max()) / np.float32(448.0)
+        scale = max(np.float32(np.abs(tile).max()) / np.float32(448.0), np.float32(2.0**-126))
         scales.append(scale)
         out += (
             torch.from_numpy(tile / scale)
