@@ -17,6 +17,11 @@ from tqdm import tqdm
 
 from kvabi.models.checkpoint import AnyConfig, Checkpoint, parse_dtype
 from kvabi.models.config import ModelConfig, RopeScaling, eos_ids, token_ids
+from kvabi.models.deepseek_v3_config import (
+    DeepseekV3Config,
+    deepseek_v3_weight_name,
+    read_deepseek_v3_config,
+)
 from kvabi.models.errors import CheckpointError, MissingFieldError, UnknownArchitectureError
 from kvabi.models.expert_weights import merge_expert_weights
 from kvabi.models.gemma3_config import Gemma3Config, gemma3_weight_name, read_gemma3_config
@@ -25,6 +30,7 @@ from kvabi.models.laguna_config import LagunaConfig, laguna_weight_name, read_la
 
 # model_type -> its own config reader; the rest are the Llama family, read here
 OWN_READERS = {
+    "deepseek_v3": read_deepseek_v3_config,
     "gemma3": read_gemma3_config,
     "gemma3_text": read_gemma3_config,
     "gemma4": read_gemma4_config,
@@ -143,13 +149,15 @@ def _our_name(hf_name: str, config: AnyConfig) -> str | None:
         return gemma4_weight_name(config, hf_name)
     if isinstance(config, LagunaConfig):
         return laguna_weight_name(hf_name)
+    if isinstance(config, DeepseekV3Config):
+        return deepseek_v3_weight_name(config, hf_name)
     return hf_name.removeprefix("model.")
 
 
 def load_hf(
     folder: str | Path, dtype: str | torch.dtype = "fp32", progress: bool = True
 ) -> Checkpoint:
-    """Read an HF Llama/Mistral/Qwen2/Gemma 3/Gemma 4/Laguna folder into a `Checkpoint`
+    """Read an HF Llama/Mistral/Qwen2/Gemma 3/Gemma 4/Laguna/DeepSeek-V3 folder into a `Checkpoint`
     (fp32/bf16)."""
     from safetensors import safe_open
 
@@ -168,7 +176,7 @@ def load_hf(
                     state_dict[name] = f.get_tensor(key).to(torch_dtype)
                 bar.update()
     bar.close()
-    if isinstance(config, LagunaConfig):
+    if isinstance(config, LagunaConfig | DeepseekV3Config):
         state_dict = merge_expert_weights(state_dict)
     if config.tie_word_embeddings:
         state_dict.pop("lm_head.weight", None)
