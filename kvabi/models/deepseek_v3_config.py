@@ -207,6 +207,9 @@ def read_deepseek_v3_config(
 
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
+# kept in float32 whatever the load dtype, as transformers keeps them: the router's choice of
+# experts turns on small score differences
+FP32_WEIGHTS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 
 
 def deepseek_v3_weight_name(config: DeepseekV3Config, hf_name: str) -> str | None:

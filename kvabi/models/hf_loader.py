@@ -18,6 +18,7 @@ from tqdm import tqdm
 from kvabi.models.checkpoint import AnyConfig, Checkpoint, parse_dtype
 from kvabi.models.config import ModelConfig, RopeScaling, eos_ids, token_ids
 from kvabi.models.deepseek_v3_config import (
+    FP32_WEIGHTS,
     DeepseekV3Config,
     deepseek_v3_weight_name,
     read_deepseek_v3_config,
@@ -166,6 +167,7 @@ def load_hf(
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {folder}")
+    keep_fp32 = FP32_WEIGHTS if isinstance(config, DeepseekV3Config) else ()
     state_dict: dict[str, torch.Tensor] = {}
     bar = tqdm(desc="Loading safetensors", unit="tensor", disable=not progress)
     for path in files:
@@ -173,7 +175,8 @@ def load_hf(
             for key in f.keys():  # noqa: SIM118 -- safe_open is not a Mapping
                 name = _our_name(key, config)
                 if name is not None:
-                    state_dict[name] = f.get_tensor(key).to(torch_dtype)
+                    fp32 = name.endswith(keep_fp32)
+                    state_dict[name] = f.get_tensor(key).to(torch.float32 if fp32 else torch_dtype)
                 bar.update()
     bar.close()
     if isinstance(config, LagunaConfig | DeepseekV3Config):
