@@ -133,9 +133,9 @@ class GroupLimitedRouter(nn.Module):
 
     def _group_mask(self, biased: torch.Tensor) -> torch.Tensor:
         """[T, num_experts] bool: the expert is in one of the token's `topk_group` best groups."""
-        grouped = biased.view(biased.shape[0], self.num_groups, -1)  # [T, groups, per_group]
         if self.num_groups == 1:
             return torch.ones_like(biased, dtype=torch.bool)
+        grouped = biased.view(biased.shape[0], self.num_groups, -1)  # [T, groups, per_group]
         group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, groups]
         best = torch.topk(group_scores, self.topk_group, dim=-1, sorted=False)[1]
         chosen = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)

@@ -149,11 +149,30 @@ def test_cached_latents_equal_hf_cache(pair: Any) -> None:
         torch.testing.assert_close(ours_k_pe, layer.values[0].transpose(0, 1), atol=tol, rtol=0)
 
 
-def test_kv_layers_are_mla_latents(pair: Any) -> None:
-    _, model = pair
-    config = model.config
-    spec = LayerSpec(MLA, latent_dim=config.kv_lora_rank, rope_dim=config.qk_rope_head_dim)
-    assert config.kv_layers() == (spec,) * config.num_layers
+@pytest.mark.parametrize(
+    ("variant", "latent", "rope"), [("lora-yarn", 16, 8), ("plain-512", 512, 64)]
+)
+def test_attention_gets_absorbed_query_and_latents(
+    variant: str, latent: int, rope: int, tmp_path: Path
+) -> None:
+    """The `AttentionFn` contract for MLA: q [T, heads, latent + rope], k = c_kv [T, 1, latent],
+    v = k_pe [T, 1, rope], output [T, heads, latent]; the KV spec says the same."""
+    model = save_and_load(make_hf(variant), tmp_path)
+    num_layers = model.config.num_layers
+    spec = LayerSpec(MLA, latent_dim=latent, rope_dim=rope)
+    assert model.config.kv_layers() == (spec,) * num_layers
+    attn = ContiguousAttention.for_config(model.config)
+    shapes: list[tuple[tuple[int, ...], ...]] = []
+
+    def spy(layer_id: int, q: torch.Tensor, k: Any, v: Any) -> torch.Tensor:
+        out = attn(layer_id, q, k, v)
+        shapes.append((tuple(q.shape), tuple(k.shape), tuple(v.shape), tuple(out.shape)))
+        return out
+
+    with torch.no_grad():
+        model(random_ids(3), torch.arange(3), spy)
+    want = ((3, 4, latent + rope), (3, 1, latent), (3, 1, rope), (3, 4, latent))
+    assert shapes == [want] * num_layers
 
 
 def test_yarn_tables_and_scale_equal_hf(pair: Any) -> None:
