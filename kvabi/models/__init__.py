@@ -1,5 +1,5 @@
-"""Llama-family models (Llama 2/3, SmolLM2, Mistral, Qwen2), Gemma 3 and 4 text and Laguna: config,
-weights, tokenizer.
+"""Llama-family models (Llama 2/3, SmolLM2, Mistral, Qwen2), Gemma 3 and 4 text, Laguna and
+DeepSeek-V3 (MLA): config, weights, tokenizer.
 
 `load_model(name_or_path)` gives a `LoadedModel(config, model, tokenizer)`; the model's forward
 takes flat token ids and positions and delegates attention per layer to an `AttentionFn`.
@@ -8,6 +8,8 @@ takes flat token ids and positions and delegates attention per layer to an `Atte
 from kvabi.models.attention import AttentionFn, ContiguousAttention
 from kvabi.models.checkpoint import Checkpoint
 from kvabi.models.config import ModelConfig, RopeScaling
+from kvabi.models.deepseek_v3 import DeepseekV3Model
+from kvabi.models.deepseek_v3_config import DeepseekV3Config
 from kvabi.models.gemma3 import Gemma3Model
 from kvabi.models.gemma3_config import Gemma3Config
 from kvabi.models.gemma4 import Gemma4Model
@@ -31,6 +33,8 @@ __all__ = [
     "AttentionFn",
     "Checkpoint",
     "ContiguousAttention",
+    "DeepseekV3Config",
+    "DeepseekV3Model",
     "Gemma3Config",
     "Gemma3Model",
     "Gemma4Config",

@@ -8,6 +8,8 @@ import torch
 
 from kvabi.models.config import ModelConfig
 from kvabi.models.cpu_kernels import has_native_bf16
+from kvabi.models.deepseek_v3 import DeepseekV3Model
+from kvabi.models.deepseek_v3_config import DeepseekV3Config
 from kvabi.models.gemma3 import Gemma3Model
 from kvabi.models.gemma3_config import Gemma3Config
 from kvabi.models.gemma4 import Gemma4Model
@@ -16,10 +18,11 @@ from kvabi.models.laguna import LagunaModel
 from kvabi.models.laguna_config import LagunaConfig
 from kvabi.models.llama import LlamaModel
 
-AnyConfig = ModelConfig | Gemma3Config | Gemma4Config | LagunaConfig
-AnyModel = LlamaModel | Gemma3Model | Gemma4Model | LagunaModel
+AnyConfig = ModelConfig | Gemma3Config | Gemma4Config | LagunaConfig | DeepseekV3Config
+AnyModel = LlamaModel | Gemma3Model | Gemma4Model | LagunaModel | DeepseekV3Model
 # architecture -> model class; every other architecture is a LlamaModel
-MODEL_CLASSES: dict[str, type[Gemma3Model] | type[Gemma4Model] | type[LagunaModel]] = {
+MODEL_CLASSES: dict[str, type[AnyModel]] = {
+    "deepseek_v3": DeepseekV3Model,
     "gemma3": Gemma3Model,
     "gemma4": Gemma4Model,
     "laguna": LagunaModel,

@@ -17,6 +17,12 @@ from tqdm import tqdm
 
 from kvabi.models.checkpoint import AnyConfig, Checkpoint, parse_dtype
 from kvabi.models.config import ModelConfig, RopeScaling, eos_ids, token_ids
+from kvabi.models.deepseek_v3_config import (
+    FP32_WEIGHTS,
+    DeepseekV3Config,
+    deepseek_v3_weight_name,
+    read_deepseek_v3_config,
+)
 from kvabi.models.errors import CheckpointError, MissingFieldError, UnknownArchitectureError
 from kvabi.models.expert_weights import merge_expert_weights
 from kvabi.models.gemma3_config import Gemma3Config, gemma3_weight_name, read_gemma3_config
@@ -25,6 +31,7 @@ from kvabi.models.laguna_config import LagunaConfig, laguna_weight_name, read_la
 
 # model_type -> its own config reader; the rest are the Llama family, read here
 OWN_READERS = {
+    "deepseek_v3": read_deepseek_v3_config,
     "gemma3": read_gemma3_config,
     "gemma3_text": read_gemma3_config,
     "gemma4": read_gemma4_config,
@@ -143,13 +150,15 @@ def _our_name(hf_name: str, config: AnyConfig) -> str | None:
         return gemma4_weight_name(config, hf_name)
     if isinstance(config, LagunaConfig):
         return laguna_weight_name(hf_name)
+    if isinstance(config, DeepseekV3Config):
+        return deepseek_v3_weight_name(config, hf_name)
     return hf_name.removeprefix("model.")
 
 
 def load_hf(
     folder: str | Path, dtype: str | torch.dtype = "fp32", progress: bool = True
 ) -> Checkpoint:
-    """Read an HF Llama/Mistral/Qwen2/Gemma 3/Gemma 4/Laguna folder into a `Checkpoint`
+    """Read an HF Llama/Mistral/Qwen2/Gemma 3/Gemma 4/Laguna/DeepSeek-V3 folder into a `Checkpoint`
     (fp32/bf16)."""
     from safetensors import safe_open
 
@@ -158,6 +167,7 @@ def load_hf(
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {folder}")
+    keep_fp32 = FP32_WEIGHTS if isinstance(config, DeepseekV3Config) else ()
     state_dict: dict[str, torch.Tensor] = {}
     bar = tqdm(desc="Loading safetensors", unit="tensor", disable=not progress)
     for path in files:
@@ -165,10 +175,11 @@ def load_hf(
             for key in f.keys():  # noqa: SIM118 -- safe_open is not a Mapping
                 name = _our_name(key, config)
                 if name is not None:
-                    state_dict[name] = f.get_tensor(key).to(torch_dtype)
+                    fp32 = name.endswith(keep_fp32)
+                    state_dict[name] = f.get_tensor(key).to(torch.float32 if fp32 else torch_dtype)
                 bar.update()
     bar.close()
-    if isinstance(config, LagunaConfig):
+    if isinstance(config, LagunaConfig | DeepseekV3Config):
         state_dict = merge_expert_weights(state_dict)
     if config.tie_word_embeddings:
         state_dict.pop("lm_head.weight", None)
