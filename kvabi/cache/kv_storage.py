@@ -16,17 +16,24 @@ import torch
 from kvabi.abi.buffers import CacheBuffers, group_views
 from kvabi.abi.convert import convert
 from kvabi.abi.descriptor import ATTN, MLA, Descriptor
+from kvabi.abi.ds_mla_record import ds_mla_records_to_latent_rope, encode_records
+
+DS_MLA = "fp8_ds_mla"
 
 
 class KVStorage:
     def __init__(self, desc: Descriptor, num_blocks: int) -> None:
-        if desc.layout.quant != "none" or not desc.layout.is_paged:
-            raise ValueError(f"kv layout: the engine needs a paged, unquantised layout, got {desc}")
         kinds = {x.kind for x in desc.model.layers}
         if len(kinds) != 1 or not kinds <= {ATTN, MLA}:
             raise ValueError(
                 f"kv layout: the engine caches attention (K/V) or MLA layers, one kind per "
                 f"storage; got {sorted(kinds)}"
+            )
+        quant_ok = desc.layout.quant == "none" or (kinds == {MLA} and desc.layout.quant == DS_MLA)
+        if not quant_ok or not desc.layout.is_paged:
+            raise ValueError(
+                f"kv layout: the engine needs a paged layout, unquantised (an MLA model: or "
+                f"{DS_MLA} records), got {desc}"
             )
         self.desc = desc
         self.block_size = desc.layout.block_size
@@ -55,8 +62,29 @@ class KVStorage:
         joint = groups[0][1]
         latent = self.desc.model.layers[layer_id].latent_dim
         self.joint.append(joint)
+        if self.is_records:  # u8 records: no per-plane float views; `mla_keys` decodes
+            self.k.append(joint)
+            self.v.append(joint)
+            return
         self.k.append(joint[..., :latent])
         self.v.append(joint[..., latent:])
+
+    @property
+    def is_records(self) -> bool:
+        """Whether MLA tokens are stored as vLLM's 656-byte fp8_ds_mla records."""
+        return self.desc.layout.quant == DS_MLA
+
+    def mla_keys(
+        self, layer_id: int, block_table: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """An MLA layer's [latent | rope] of the blocks `block_table` (any shape of block ids)
+        in `dtype`: `[*block_table.shape, block_size, 1, latent + rope]`; records dequantised
+        (latent[j] = q[j] * scale[j // 128], rope as stored)."""
+        stored = self.joint[layer_id][block_table]
+        if not self.is_records:
+            return stored.to(dtype)
+        latent, rope = ds_mla_records_to_latent_rope(stored)
+        return torch.cat((latent, rope), dim=-1).to(dtype)
 
     @property
     def num_blocks(self) -> int:
@@ -70,14 +98,24 @@ class KVStorage:
         k: torch.Tensor,
         v: torch.Tensor,
     ) -> None:
-        """Store new tokens' K/V [T, heads, dim] at (block_ids[t], slots[t])."""
+        """Store new tokens' K/V [T, heads, dim] at (block_ids[t], slots[t]); an MLA layer's
+        c_kv and k_pe [T, 1, dim] as its stored tokens (records: encoded as vLLM writes them)."""
+        if self.is_records:
+            values = torch.cat((k, v), dim=-1).float()  # [T, 1, 576]
+            self.joint[layer_id][block_ids, slots] = encode_records(values)
+            return
         self.k[layer_id][block_ids, slots] = k.to(self.k[layer_id].dtype)
         self.v[layer_id][block_ids, slots] = v.to(self.v[layer_id].dtype)
 
     def gather(
         self, layer_id: int, block_table: torch.Tensor, num_tokens: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A sequence's first `num_tokens` K and V, each [num_tokens, heads, dim]."""
+        """A sequence's first `num_tokens` K and V, each [num_tokens, heads, dim] (an MLA
+        layer's: latent and rope)."""
+        if self.is_records:
+            keys = self.mla_keys(layer_id, block_table, torch.float32).flatten(0, 1)[:num_tokens]
+            latent = self.desc.model.layers[layer_id].latent_dim
+            return keys[..., :latent], keys[..., latent:]
         k = self.k[layer_id][block_table].flatten(0, 1)[:num_tokens]
         v = self.v[layer_id][block_table].flatten(0, 1)[:num_tokens]
         return k, v

@@ -146,12 +146,11 @@ class LLMEngine:
     def _start(loaded: LoadedModel, config: EngineConfig, fingerprint: str) -> EngineInfo:
         dtype = "bf16" if loaded.model.dtype == torch.bfloat16 else "f32"
         spec = model_spec(loaded, fingerprint)
-        desc = preset_descriptor(
-            kv_layout_preset(config.kv_layout, spec),
-            spec,
-            block_size=config.block_size,
-            dtype=dtype,
-        )
+        name = kv_layout_preset(config.kv_layout, spec)
+        if PRESETS[name].layout.quant == "none":  # the model's dtype; a codec keeps its own
+            desc = preset_descriptor(name, spec, block_size=config.block_size, dtype=dtype)
+        else:
+            desc = preset_descriptor(name, spec, block_size=config.block_size)
         plan, chunk = plan_groups(desc.model), config.max_num_batched_tokens
         max_len = config.max_model_len or loaded.config.max_position_embeddings
         blocks = (config.num_blocks,) * len(plan.pool_specs) if config.num_blocks else None

@@ -84,11 +84,10 @@ class LayerKV:
             tuple(x.kind == MLA for x in layers),
         )
 
-    def mla_view(self, layer_id: int) -> tuple[torch.Tensor, int]:
-        """An MLA layer's [latent | rope] per slot, [block, slot, 1, latent + rope], and the
-        latent's width (the values are the first `latent` elements of each key)."""
-        storage, slot = self.storages[layer_id], self.slots[layer_id]
-        return storage.joint[slot], storage.k[slot].shape[-1]
+    def mla_keys(self, layer_id: int, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """An MLA layer's [latent | rope] of the blocks `table`, [*table.shape, block_size, 1,
+        latent + rope], in `dtype` (records dequantised)."""
+        return self.storages[layer_id].mla_keys(self.slots[layer_id], table, dtype)
 
     def views(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V, each [block, slot, heads, dim]."""
@@ -232,13 +231,14 @@ class PagedAttention:
         """Absorbed MLA over the paged latents: q [T, H, latent + rope] -> [T, H, latent]; one
         key head [latent | rope] per token, its latent as the value (every backend: SDPA per
         prefill chunk, one padded SDPA call for the step's decodes)."""
-        joint, latent = self.kv.mla_view(layer_id)
+        spec = self.kv.storages[layer_id].desc.model.layers[self.kv.slots[layer_id]]
+        latent = spec.latent_dim
         out = q.new_empty((*q.shape[:-1], latent))
         prefills = ctx.seqs if self.backend == "reference" else ctx.prefills
         for s in prefills:
             rows = slice(s.query_start, s.query_start + s.num_queries)
-            keys = joint[s.block_table].flatten(0, 1)[: s.context_len - s.first_key, 0]
-            keys = keys.to(q.dtype)  # [L, latent + rope]
+            keys = self.kv.mla_keys(layer_id, s.block_table, q.dtype).flatten(0, 1)
+            keys = keys[: s.context_len - s.first_key, 0]  # [L, latent + rope]
             mask = causal_mask(s.num_queries, s.context_len, ctx.window, first_key=s.first_key)
             o = F.scaled_dot_product_attention(
                 q[rows].transpose(0, 1)[None], keys[None, None], keys[None, None, :, :latent],
@@ -247,7 +247,8 @@ class PagedAttention:
             out[rows] = o[0].transpose(0, 1)
         if self.backend != "reference" and len(ctx.decode_query_rows):
             rows = ctx.decode_query_rows
-            keys = joint[ctx.decode_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+            keys = self.kv.mla_keys(layer_id, ctx.decode_tables, q.dtype)  # [S, nb, N, 1, C]
+            keys = keys.flatten(1, 2).transpose(1, 2)  # [S, 1, L, latent + rope]
             o = F.scaled_dot_product_attention(  # [S, H, 1, latent]
                 q[rows].unsqueeze(2), keys, keys[..., :latent], attn_mask=ctx.decode_mask,
                 enable_gqa=True,

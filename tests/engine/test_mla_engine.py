@@ -104,3 +104,36 @@ def test_prefix_hits_and_host_tier_continue_as_transformers(served: Any) -> None
     assert engine.cache.num_pooled([k.block_hash for k in keys]) < len(keys)
     assert engine.cache.held(keys) == len(keys)  # loaded back from the host tier
     assert _greedy_all(engine, [prompt]) == [tokens]
+
+
+def test_fp8_ds_mla_records_are_vllms_bytes_and_decode_within_fp8(served: Any) -> None:
+    """`kv_layout="vllm-fp8-ds-mla"`: each token of each layer is a 656-byte record. Layer 0's
+    latents are HF's bit for bit (later layers attend over fp8 KV, so theirs move off HF's by
+    the propagated quantisation error), so its records must be exactly what vLLM's writer makes
+    of HF's latents (`encode_records`, byte-exact with concat_and_cache_ds_mla_kernel, golden
+    vectors in tests/abi/test_ds_mla_record.py), and read back within fp8's bound (docs/ABI.md
+    3.3: 2^-4 |x| + scale 2^-9; rope: bf16)."""
+    from kvabi.abi.ds_mla_record import RECORD_BYTES, ds_mla_records_to_latent_rope, encode_records
+
+    hf, loaded, prompts, _ = served
+    spec = loaded.config.kv_layers()[0]
+    if (spec.latent_dim, spec.rope_dim) != (512, 64):
+        pytest.skip("fp8_ds_mla records are for kv_lora_rank 512 + rope 64")
+    prompt = prompts[0]
+    engine = LLMEngine(loaded, EngineConfig(block_size=BLOCK, kv_layout="vllm-fp8-ds-mla"))
+    desc = engine.info.descriptor
+    assert (desc.layout.name, desc.layout.quant) == ("vllm-fp8-ds-mla", "fp8_ds_mla")
+    _greedy_all(engine, [prompt.tolist()])
+    payload = engine.cache.export(prompt.tolist(), None)
+    n = len(payload.token_ids)
+    assert payload.cache.num_bytes == len(loaded.config.kv_layers()) * n * RECORD_BYTES
+    with torch.no_grad():
+        cache = hf(prompt[None], use_cache=True).past_key_values
+    records = payload.cache.tensors["0"].flatten(0, 1)[:n, 0]  # [n, 656] u8
+    c_kv, k_pe = cache.layers[0].keys[0, 0, :n], cache.layers[0].values[0, 0, :n]
+    assert torch.equal(records, encode_records(torch.cat((c_kv, k_pe), dim=-1)))
+    got = ds_mla_records_to_latent_rope(records)
+    scale = c_kv.unflatten(-1, (4, 128)).abs().amax(-1, keepdim=True) / 448
+    bound = 2**-4 * c_kv.abs() + 2**-9 * scale.expand(-1, 4, 128).flatten(-2)
+    assert bool(((got.latent - c_kv).abs() <= bound).all()) and (got.latent != c_kv).any()
+    assert bool(((got.rope - k_pe).abs() <= 2**-8 * k_pe.abs()).all())
