@@ -229,8 +229,9 @@ class PagedAttention:
 
     def _attend_mla(self, layer_id: int, q: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Absorbed MLA over the paged latents: q [T, H, latent + rope] -> [T, H, latent]; one
-        key head [latent | rope] per token, its latent as the value (every backend: SDPA per
-        prefill chunk, one padded SDPA call for the step's decodes)."""
+        key head [latent | rope] per token, its latent as the value: SDPA per prefill chunk;
+        the step's decodes in one padded SDPA call over the dequantised keys, or (native
+        backend, fp8_ds_mla records) the C++ kernel reading the records in place."""
         spec = self.kv.storages[layer_id].desc.model.layers[self.kv.slots[layer_id]]
         latent = spec.latent_dim
         out = q.new_empty((*q.shape[:-1], latent))
@@ -247,6 +248,18 @@ class PagedAttention:
             out[rows] = o[0].transpose(0, 1)
         if self.backend != "reference" and len(ctx.decode_query_rows):
             rows = ctx.decode_query_rows
+            storage, slot = self.kv.storages[layer_id], self.kv.slots[layer_id]
+            records = storage.joint[slot]
+            if (
+                self.backend == "native"
+                and self.kernels is not None
+                and storage.is_records
+                and self.kernels.mla_records_supports(q, records)
+            ):  # the C++ kernel reads the 656-byte records in place
+                lens = ctx.decode_lens
+                o = self.kernels.mla_decode_records(q[rows], records, ctx.decode_tables, lens)
+                out[rows] = o.to(q.dtype)
+                return out
             keys = self.kv.mla_keys(layer_id, ctx.decode_tables, q.dtype)  # [S, nb, N, 1, C]
             keys = keys.flatten(1, 2).transpose(1, 2)  # [S, 1, L, latent + rope]
             o = F.scaled_dot_product_attention(  # [S, H, 1, latent]

@@ -776,9 +776,94 @@ int dispatch(const T* q, T* out, const Pool& pool, const int64_t* tables, int64_
   return 0;
 }
 
+// MLA decode over vLLM's fp8_ds_mla records, read in place through the block tables. A record
+// (656 bytes) holds 512 fp8 e4m3 latent values, 4 float32 scales (one per 128-value tile) and
+// 64 bf16 RoPE values (kvabi/abi/ds_mla_record.py). Absorbed attention, one key head:
+//   q      [num_seqs, num_heads, 576] float32, contiguous (q_nope through W_UK, then q_pe)
+//   out    [num_seqs, num_heads, 512] float32
+//   score(t) = scale * (sum_i tile_scale_i * sum_{j in tile i} q[j] e4m3(r[j]) + q_pe . rope)
+//   out = sum_t softmax(score)_t * latent_t, latent_t[j] = e4m3(r[j]) * tile_scale[j / 128]
+// Each tile is dequantised on the fly (its scale applied once per tile, not per value).
+struct E4m3Table {
+  float value[256];
+  E4m3Table() {
+    for (int b = 0; b < 256; ++b) {
+      const int sign = b >> 7, exp = (b >> 3) & 15, mant = b & 7;
+      float v = exp == 0 ? std::ldexp(mant / 8.0f, -6) : std::ldexp(1.0f + mant / 8.0f, exp - 7);
+      if (exp == 15 && mant == 7) v = NAN;  // e4m3fn: no infinities, one NaN per sign
+      value[b] = sign ? -v : v;
+    }
+  }
+};
+const E4m3Table kE4m3;
+
+constexpr int kDsLatent = 512, kDsTile = 128, kDsRope = 64, kDsScales = 512, kDsRopeAt = 528;
+
+void mla_decode_records(const float* q, float* out, const uint8_t* records,
+                        int64_t block_stride, int64_t slot_stride, int64_t block_size,
+                        const int64_t* tables, int64_t table_width, const int64_t* lens,
+                        int64_t num_seqs, int num_heads, float scale, int num_threads) {
+  const int64_t q_width = kDsLatent + kDsRope;
+#pragma omp parallel for collapse(2) schedule(dynamic) num_threads(num_threads)
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    for (int h = 0; h < num_heads; ++h) {
+      const float* qh = q + (s * num_heads + h) * q_width;
+      float* o = out + (s * num_heads + h) * kDsLatent;
+      const int64_t len = lens[s];
+      const int64_t* table = tables + s * table_width;
+      auto record = [&](int64_t t) {
+        return records + table[t / block_size] * block_stride + (t % block_size) * slot_stride;
+      };
+      std::vector<float> scores(len);
+      float top = -INFINITY;
+      for (int64_t t = 0; t < len; ++t) {
+        const uint8_t* r = record(t);
+        float tile_scale[4];
+        std::memcpy(tile_scale, r + kDsScales, sizeof tile_scale);
+        float acc = 0.0f;
+        for (int i = 0; i < 4; ++i) {
+          float part = 0.0f;
+#pragma omp simd reduction(+ : part)
+          for (int j = 0; j < kDsTile; ++j) part += qh[i * kDsTile + j] * kE4m3.value[r[i * kDsTile + j]];
+          acc += tile_scale[i] * part;
+        }
+        uint16_t rope[kDsRope];
+        std::memcpy(rope, r + kDsRopeAt, sizeof rope);
+        for (int j = 0; j < kDsRope; ++j) acc += qh[kDsLatent + j] * to_f32(rope[j]);
+        scores[t] = acc * scale;
+        top = std::max(top, scores[t]);
+      }
+      float sum = 0.0f;
+      for (int64_t t = 0; t < len; ++t) sum += (scores[t] = std::exp(scores[t] - top));
+      std::fill(o, o + kDsLatent, 0.0f);
+      for (int64_t t = 0; t < len; ++t) {
+        const uint8_t* r = record(t);
+        float tile_scale[4];
+        std::memcpy(tile_scale, r + kDsScales, sizeof tile_scale);
+        for (int i = 0; i < 4; ++i) {
+          const float w = scores[t] / sum * tile_scale[i];
+#pragma omp simd
+          for (int j = 0; j < kDsTile; ++j) o[i * kDsTile + j] += w * kE4m3.value[r[i * kDsTile + j]];
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
+
+// MLA decode over fp8_ds_mla records (above); returns 0.
+int kvabi_mla_decode_records(const void* q, void* out, const void* records, int64_t block_stride,
+                             int64_t slot_stride, int64_t block_size, const int64_t* tables,
+                             int64_t table_width, const int64_t* lens, int64_t num_seqs,
+                             int num_heads, float scale, int num_threads) {
+  mla_decode_records(static_cast<const float*>(q), static_cast<float*>(out),
+                     static_cast<const uint8_t*>(records), block_stride, slot_stride, block_size,
+                     tables, table_width, lens, num_seqs, num_heads, scale, num_threads);
+  return 0;
+}
 
 // dtype: 0 = float32, 1 = bfloat16 (q, out and the cache share it). Returns 0, or -1 for an
 // unknown dtype.

@@ -120,6 +120,8 @@ class CpuKernels:
             + [c_int],
             "kvabi_prefill_attention": [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, c_int, c_int]
             + [c_int, c_float, c_int],
+            "kvabi_mla_decode_records": [ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i64, c_int]
+            + [c_float, c_int],
         }
         self._fns = {}
         for name, argtypes in signatures.items():
@@ -179,6 +181,46 @@ class CpuKernels:
             k.shape[2],
             head_dim,
             head_dim**-0.5,
+        )
+        return out
+
+    @staticmethod
+    def mla_records_supports(q: torch.Tensor, records: torch.Tensor) -> bool:
+        """q [S, H, 576] (any float dtype: the kernel computes in float32); records: a
+        canonical pool view [num_blocks, block_size, 1, 656] of u8 with whole records."""
+        return (
+            q.device.type == records.device.type == "cpu"
+            and q.dim() == 3
+            and q.shape[-1] == 576
+            and records.dtype == torch.uint8
+            and records.dim() == 4
+            and records.shape[2:] == (1, 656)
+            and records.stride(-1) == 1
+        )
+
+    def mla_decode_records(
+        self, q: torch.Tensor, records: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor
+    ) -> torch.Tensor:
+        """Absorbed MLA decode over fp8_ds_mla records read in place: q [S, H, 576] ->
+        [S, H, 512] float32; scores scaled by 1/sqrt(576) (the model folds its own scale into
+        q, as `AttentionFn` says); tables [S, W] int64, lens [S] int64."""
+        q = q.float().contiguous()
+        tables, lens = tables.contiguous(), lens.contiguous()
+        out = q.new_empty((*q.shape[:-1], 512))
+        self._call(
+            "kvabi_mla_decode_records",
+            q.data_ptr(),
+            out.data_ptr(),
+            records.data_ptr(),
+            records.stride(0),
+            records.stride(1),
+            records.shape[1],
+            tables.data_ptr(),
+            tables.shape[1],
+            lens.data_ptr(),
+            q.shape[0],
+            q.shape[1],
+            576**-0.5,
         )
         return out
 

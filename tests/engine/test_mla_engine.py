@@ -137,3 +137,21 @@ def test_fp8_ds_mla_records_are_vllms_bytes_and_decode_within_fp8(served: Any) -
     bound = 2**-4 * c_kv.abs() + 2**-9 * scale.expand(-1, 4, 128).flatten(-2)
     assert bool(((got.latent - c_kv).abs() <= bound).all()) and (got.latent != c_kv).any()
     assert bool(((got.rope - k_pe).abs() <= 2**-8 * k_pe.abs()).all())
+
+
+def test_fp8_ds_mla_decode_kernel_and_torch_paths_agree(served: Any) -> None:
+    """The native backend decodes over the records with the C++ kernel (in place), the others
+    dequantise and run SDPA: the same greedy tokens, with chunked prefill and a batch."""
+    _, loaded, prompts, _ = served
+    spec = loaded.config.kv_layers()[0]
+    if (spec.latent_dim, spec.rope_dim) != (512, 64):
+        pytest.skip("fp8_ds_mla records are for kv_lora_rank 512 + rope 64")
+    runs = {}
+    for backend in ("native", "batched", "reference"):
+        config = EngineConfig(
+            block_size=BLOCK, kv_layout="vllm-fp8-ds-mla", attention_backend=backend,
+            max_num_batched_tokens=8,
+        )  # fmt: skip
+        engine = LLMEngine(loaded, config)
+        runs[backend] = _greedy_all(engine, [p.tolist() for p in prompts])
+    assert runs["native"] == runs["batched"] == runs["reference"]

@@ -250,3 +250,34 @@ def test_prefill_attention_declines_what_it_cannot_take(kernels):
     assert not kernels.prefill_supports(torch.randn(4, 2, 48).bfloat16(), k[..., :48], k[..., :48])
     assert not kernels.prefill_supports(torch.randn(9, 2, 64).bfloat16(), k, k)  # tq > tk
     assert not kernels.prefill_supports(q.transpose(0, 1).contiguous().transpose(0, 1), k, k)
+
+
+@pytest.mark.parametrize("heads", [1, 16])
+def test_mla_decode_over_fp8_ds_mla_records_equals_the_torch_path(kernels, heads):
+    """The C++ kernel reads 656-byte records in place (fp8 latents dequantised per 128-value
+    tile, bf16 rope) and equals dequantise-then-SDPA (kvabi/abi/ds_mla_record.py, the torch
+    reference the engine's other backends run) within float32 summation order. The pool holds
+    an all-zero token (scale FLT_MIN) and a saturated one; tables are shuffled, lengths ragged,
+    and the blocks past a sequence's length hold NaN records that must never be read."""
+    from kvabi.abi.ds_mla_record import ds_mla_records_to_latent_rope, encode_records
+
+    g = torch.Generator().manual_seed(3)
+    num_blocks, bs = 7, 4
+    values = torch.randn(num_blocks, bs, 1, 576, generator=g).bfloat16().float()
+    values[0, 1] = 0.0
+    values[0, 2, 0, :128] *= 1e4  # a tile whose large values set its scale
+    records = encode_records(values)
+    records[6] = 0xFF  # e4m3fn NaN codes and NaN scales: unreachable through the tables
+    tables = torch.tensor([[3, 0, 5, 6], [1, 2, 4, 6], [0, 6, 6, 6]], dtype=torch.long)
+    lens = torch.tensor([11, 12, 3])
+    q = torch.randn(3, heads, 576, generator=g)
+    got = kernels.mla_decode_records(q, records, tables, lens)
+    latent, rope = ds_mla_records_to_latent_rope(records)
+    keys = torch.cat((latent, rope), dim=-1)
+    for s in range(3):
+        k = keys[tables[s]].flatten(0, 1)[: lens[s], 0]  # [L, 576]
+        want = F.scaled_dot_product_attention(q[s][:, None], k[None], k[None, :, :512])[:, 0]
+        torch.testing.assert_close(got[s], want, atol=2e-6, rtol=1e-5)
+    assert kernels.mla_records_supports(q, records)
+    assert not kernels.mla_records_supports(q[..., :512], records)
+    assert not kernels.mla_records_supports(q, records.float())
