@@ -23,7 +23,7 @@ from kvabi.abi.convert import convert
 from kvabi.abi.descriptor import MLA, Descriptor, LayerSpec, Layout, ModelSpec
 from kvabi.abi.errors import CodecError, DescriptorError, MissingPlaneError, ShapeError
 from kvabi.abi.indexer_record import decode_blocks, encode_blocks, encode_tokens, record_bytes
-from kvabi.abi.presets import preset_descriptor
+from kvabi.abi.presets import PRESETS, preset_descriptor
 from kvabi.abi.text_form import from_text
 
 DSA = LayerSpec(MLA, latent_dim=512, rope_dim=64, indexer_dim=128)
@@ -245,3 +245,34 @@ def test_a_cache_without_its_indexer_buffer_is_refused_naming_the_plane():
     with pytest.raises(MissingPlaneError, match="layer 0 lacks its 'indexer' plane") as info:
         CacheBuffers(desc, tensors)
     assert (info.value.layer_id, info.value.plane) == (0, "indexer")
+
+
+MLA_PRESETS = sorted(
+    name for name, p in PRESETS.items() if p.kind == MLA and not p.layout.is_cross_layer
+)
+
+
+def test_cross_layer_mla_presets_refuse_the_indexer():
+    """TRT-LLM's one pool of every layer (an L axis) has no per-layer sidecar buffer: refused."""
+    cross = sorted(n for n, p in PRESETS.items() if p.kind == MLA and p.layout.is_cross_layer)
+    assert cross == ["trtllm-mla"]
+    with pytest.raises(DescriptorError, match="per-layer layout"):
+        preset_descriptor("trtllm-mla", V32)
+
+
+@pytest.mark.parametrize("dst_name", MLA_PRESETS)
+@pytest.mark.parametrize("src_name", MLA_PRESETS)
+def test_every_mla_preset_pair_carries_the_indexer_byte_for_byte(src_name, dst_name):
+    """A V3.2 cache (512 + 64 + 128, so fp8_ds_mla applies) converted between every pair of
+    MLA presets, each with its own block size and a shuffled block table: each token's 132
+    indexer bytes arrive unchanged, whatever the latents' codec does."""
+    src_desc = preset_descriptor(src_name, V32, block_size=4)
+    dst_desc = preset_descriptor(dst_name, V32, block_size=2)
+    src = CacheBuffers.empty(src_desc, 3, "zeros")
+    keys = torch.randn(10, 128, generator=torch.Generator().manual_seed(7))
+    src.tensors["0.indexer"][[2, 0, 1]] = encode_blocks(keys, 4)  # tokens' blocks: 2, 0, 1
+    out = convert(
+        src, dst_desc, num_tokens=10, src_block_ids=[2, 0, 1], dst_block_ids=[4, 0, 3, 1, 2]
+    )
+    got = out.tensors["0.indexer"][[4, 0, 3, 1, 2]]
+    assert torch.equal(got, encode_blocks(keys, 2))
