@@ -14,8 +14,9 @@ import torch
 
 from kvabi.abi.axes import dim_of, part_sizes
 from kvabi.abi.codec import stored_width, torch_dtype
-from kvabi.abi.descriptor import SHARED, Descriptor, LayerSpec, Layout, Plane
-from kvabi.abi.errors import ShapeError
+from kvabi.abi.descriptor import INDEXER, SHARED, Descriptor, LayerSpec, Layout, Plane
+from kvabi.abi.errors import MissingPlaneError, ShapeError
+from kvabi.abi.indexer_record import record_bytes
 from kvabi.abi.tiled_view import CanonicalView, canonical_view
 
 
@@ -33,6 +34,11 @@ class BufferSpec:
     @property
     def num_bytes(self) -> int:
         return _numel(self.shape) * self.dtype.itemsize
+
+    @property
+    def is_sidecar(self) -> bool:
+        """A sidecar plane's buffer (the indexer's), outside the layer's plane groups."""
+        return self.planes == (INDEXER,)
 
     def dim(self, letter: str) -> int:
         """The tensor dimension of axis `letter` (its outer part when tiled)."""
@@ -65,6 +71,7 @@ def buffer_specs(desc: Descriptor, extent: int) -> tuple[BufferSpec, ...]:
             specs.append(
                 _spec(prefix, layer_ids, tuple(p.name for p in planes), lay.axes, sizes, lay)
             )
+        specs += [_sidecar_spec(desc, layer_ids[0], p, extent) for p in layer.sidecar_planes]
     return tuple(specs)  # immutable: every caller shares the cached value
 
 
@@ -99,6 +106,8 @@ def check_buffers(desc: Descriptor, tensors: dict[str, torch.Tensor]) -> int:
         raise ShapeError(f"buffers {sorted(extra)} are not in the descriptor")
     for s in specs:
         t = tensors.get(s.key)
+        if t is None and s.is_sidecar:
+            raise MissingPlaneError(s.layer_ids[0], s.planes[0], f"buffer {s.key!r} is missing")
         if t is None:
             raise ShapeError(f"buffer {s.key!r} is missing")
         if tuple(t.shape) != s.shape or t.dtype != s.dtype:
@@ -121,6 +130,8 @@ def group_views(
     layer = layers[layer_id]
     out = []
     for spec in layer_buffer_specs(desc, layer_id, 1):
+        if spec.is_sidecar:
+            continue
         t, axes = tensors[spec.key], spec.axes
         extent = t.shape[spec.dim("B" if desc.layout.is_paged else "T")]
         planes = tuple(p for p in layer.planes if p.name in spec.planes)
@@ -172,6 +183,16 @@ def _spec(
         k_dim = dim_of(axes, "K")
         shape = (*shape[: k_dim + 1], _numel(shape[k_dim + 1 :]))
     return BufferSpec(key, tuple(layer_ids), planes, axes, shape, torch_dtype(lay.dtype))
+
+
+def _sidecar_spec(desc: Descriptor, layer_id: int, plane: Plane, extent: int) -> BufferSpec:
+    """`"<layer>.indexer"`: u8 `[B, N * (D + 4)]` (paged; vLLM's block layout,
+    `kvabi/abi/indexer_record.py`) or `[T, D + 4]` (unpaged: one record per token)."""
+    lay = desc.layout
+    per_block = (lay.block_size if lay.is_paged else 1) * record_bytes(plane.width)
+    axes = "BC" if lay.is_paged else "TC"
+    key = f"{layer_id}.{plane.name}"
+    return BufferSpec(key, (layer_id,), (plane.name,), axes, (extent, per_block), torch.uint8)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

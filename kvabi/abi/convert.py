@@ -19,6 +19,7 @@ from kvabi.abi.compat import check_compatible
 from kvabi.abi.descriptor import ATTN, Descriptor, Layout, Plane
 from kvabi.abi.errors import IncompatibleError
 from kvabi.abi.rope import permute_pairing
+from kvabi.abi.sidecar import copy_sidecars
 from kvabi.abi.tiled_view import (
     CanonicalView,
     gather,
@@ -176,6 +177,7 @@ def reshard(
             src_map = SlotMap.build(src_desc.layout, n, src_block_ids, srcs[0].extent)
             dst_map = SlotMap.build(dst_desc.layout, n, dst_block_ids, outs[0].extent)
             _copy_tokens(layer_id, srcs, src_views, src_map, outs, dst_views, dst_map)
+        copy_sidecars(layer_id, srcs[0], outs, num_tokens, src_block_ids, dst_block_ids)
     return outs
 
 

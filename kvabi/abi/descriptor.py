@@ -28,12 +28,15 @@ ABI_MINOR = 0
 
 ATTN, MLA, SHARED, NONE = "attn", "mla", "shared", "none"
 SWA = "swa"  # the JSON kind of an attention layer with a window (ABI 1.2); inside, ATTN + window
+DSA = "dsa"  # the JSON kind of an MLA layer with an indexer (ABI 1.3); inside, MLA + indexer_dim
+INDEXER = "indexer"  # the sidecar plane of a DeepSeek V3.2 layer: its lightning indexer's keys
 ROPE_PAIRINGS = ("half", "pairs")  # half: (i, i+d/2) as HF rotate_half / NEOX; pairs: (2i, 2i+1)
 
 
 @dataclass(frozen=True)
 class Plane:
-    """One named per-token tensor of a layer: `k`/`v` for attention, `latent`/`rope` for MLA."""
+    """One named per-token tensor of a layer: `k`/`v` for attention, `latent`/`rope` for MLA,
+    `indexer` for the sidecar of an MLA layer with a lightning indexer (DeepSeek V3.2)."""
 
     name: str
     num_heads: int
@@ -47,6 +50,8 @@ class LayerSpec:
     `window` (ABI 1.2): a sliding-window attention layer, whose query at position t attends to
     keys t - window + 1 .. t; 0 is full attention. A `shared` layer states its own window,
     which must equal its target's. `none`: a layer without KV (e.g. a state-space layer).
+    `indexer_dim` (ABI 1.3): an MLA layer's lightning-indexer key width (DeepSeek V3.2's
+    index_head_dim); the keys are a sidecar plane, stored in a buffer of their own.
     """
 
     kind: str = ATTN
@@ -57,8 +62,13 @@ class LayerSpec:
     rope_dim: int = 0
     shares: int = -1
     window: int = 0
+    indexer_dim: int = 0
 
     def __post_init__(self) -> None:
+        if self.indexer_dim < 0 or (self.indexer_dim and self.kind != MLA):
+            raise field_error(
+                "indexer_dim", f"{self.indexer_dim}: an indexer is >= 0, on MLA layers only"
+            )
         if self.window < 0 or (self.window and self.kind not in (ATTN, SHARED)):
             raise field_error(
                 "window", f"{self.window}: a window is >= 0, on attention or shared layers only"
@@ -102,6 +112,11 @@ class LayerSpec:
             planes = [Plane("latent", 1, self.latent_dim)]
             return tuple(planes + ([Plane("rope", 1, self.rope_dim)] if self.rope_dim else []))
         return ()
+
+    @property
+    def sidecar_planes(self) -> tuple[Plane, ...]:
+        """Planes kept beside the layer's KV in a buffer of their own, never in its groups."""
+        return (Plane(INDEXER, 1, self.indexer_dim),) if self.indexer_dim else ()
 
     @property
     def num_heads(self) -> int:
@@ -163,7 +178,9 @@ class ModelSpec(_CachedHash):
 
     @property
     def min_version(self) -> tuple[int, int]:
-        """1.2 when a layer has a window or no KV; else 1.0."""
+        """1.3 when a layer has an indexer; 1.2 when a layer has a window or no KV; else 1.0."""
+        if any(x.indexer_dim for x in self.layers):
+            return (1, 3)
         is_hybrid = any(x.window or x.kind == NONE for x in self.layers)
         return (1, 2) if is_hybrid else (1, 0)
 
@@ -334,6 +351,8 @@ def _check_pair(model: ModelSpec, lay: Layout) -> None:
                 "that is not a multiple of 32",
             )
     _check_tiles(model, lay)
+    if lay.is_cross_layer and any(x.indexer_dim for x in model.layers):
+        raise field_error("axes", "an indexer plane needs a per-layer layout (no L axis)")
     if lay.quant == "fp8_ds_mla" and lay.planes != "concat":
         raise field_error(
             "planes", "fp8_ds_mla packs latent and rope into one record: planes=concat"
@@ -371,7 +390,9 @@ def _canonical(obj: object) -> str:
 
 def _layer_json(layer: LayerSpec) -> dict:
     """A windowed attention layer is kind `swa` (1.2), so that a 1.0/1.1 reader, which ignores
-    fields it does not know, refuses it instead of reading it as full attention."""
+    fields it does not know, refuses it instead of reading it as full attention; an MLA layer
+    with an indexer is kind `dsa` (1.3), so that an older reader refuses it instead of
+    reading it as MLA without the indexer plane."""
     window = {"window": layer.window} if layer.window else {}
     if layer.kind == ATTN:
         return {
@@ -382,7 +403,10 @@ def _layer_json(layer: LayerSpec) -> dict:
             **window,
         }
     if layer.kind == MLA:
-        return {"kind": MLA, "latent_dim": layer.latent_dim, "rope_dim": layer.rope_dim}
+        mla = {"latent_dim": layer.latent_dim, "rope_dim": layer.rope_dim}
+        if layer.indexer_dim:
+            return {"kind": DSA, "indexer_dim": layer.indexer_dim, **mla}
+        return {"kind": MLA, **mla}
     if layer.kind == NONE:
         return {"kind": NONE}
     return {"kind": SHARED, "shares": layer.shares, **window}
@@ -397,6 +421,14 @@ def _layer_from_json(data: dict) -> LayerSpec:
         fields_["kind"] = ATTN
     elif fields_.get("kind") == ATTN and fields_.get("window"):
         raise field_error("window", "an attn layer has no window (a windowed layer is swa)")
+    elif fields_.get("kind") == DSA:
+        if int(fields_.get("indexer_dim", 0)) < 1:
+            raise field_error("indexer_dim", "a dsa layer needs indexer_dim >= 1")
+        fields_["kind"] = MLA
+    elif "indexer_dim" in fields_:
+        raise field_error(
+            "indexer_dim", "only a dsa layer has an indexer (an MLA layer with one is dsa)"
+        )
     return LayerSpec(**fields_)
 
 

@@ -19,3 +19,13 @@ class ShapeError(KvabiError, ValueError):
 
 class CodecError(KvabiError, ValueError):
     """Values a codec refuses to encode, because the stored bytes could not be vouched for."""
+
+
+class MissingPlaneError(ShapeError):
+    """A cache, container or tier entry that lacks a plane its descriptor declares (e.g. a
+    V3.2 layer's `indexer`): refused whole, never half-loaded."""
+
+    def __init__(self, layer_id: int, plane: str, detail: str) -> None:
+        super().__init__(f"layer {layer_id} lacks its {plane!r} plane: {detail}")
+        self.layer_id = layer_id
+        self.plane = plane

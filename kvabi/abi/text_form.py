@@ -3,7 +3,7 @@
 Example: ``kvabi/1.0 layers=30*attn:3x64 fp=smollm2 rope=post:half axes=LKBNHC bs=16 dtype=bf16``.
 Fields are space-separated ``key=value``; defaults (quant=none, tp=0/1, ...) are omitted.
 Layers are run-length encoded: ``attn:HxK`` or ``attn:HxK/V``, ``swaW:HxK`` (window W, 1.2),
-``mla:LATENT+ROPE``, ``shared@J`` or ``shared@J:swaW``, ``none``.
+``mla:LATENT+ROPE``, ``dsa:LATENT+ROPE+INDEXER`` (1.3), ``shared@J`` or ``shared@J:swaW``, ``none``.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from urllib.parse import quote, unquote
 
 from kvabi.abi.descriptor import (
     ATTN,
+    DSA,
     MLA,
     NONE,
     SHARED,
@@ -31,6 +32,8 @@ def layer_to_text(layer: LayerSpec) -> str:
     if layer.kind == ATTN:
         dims = f"{layer.k_dim}" if layer.k_dim == layer.v_dim else f"{layer.k_dim}/{layer.v_dim}"
         return f"{kind}:{layer.num_kv_heads}x{dims}"
+    if layer.kind == MLA and layer.indexer_dim:
+        return f"{DSA}:{layer.latent_dim}+{layer.rope_dim}+{layer.indexer_dim}"
     if layer.kind == MLA:
         return f"mla:{layer.latent_dim}+{layer.rope_dim}"
     if layer.kind == NONE:
@@ -49,6 +52,13 @@ def layer_from_text(text: str) -> LayerSpec:
         if kind == MLA:
             latent, _, rope = rest.partition("+")
             return LayerSpec(MLA, latent_dim=int(latent), rope_dim=int(rope or 0))
+        if kind == DSA:
+            latent, rope, indexer = rest.split("+")
+            if int(indexer) < 1:
+                raise ValueError(indexer)
+            return LayerSpec(
+                MLA, latent_dim=int(latent), rope_dim=int(rope), indexer_dim=int(indexer)
+            )
         if text == NONE:
             return LayerSpec(NONE)
         if kind.startswith("shared@"):

@@ -29,6 +29,12 @@ class KVStorage:
                 f"kv layout: the engine caches attention (K/V) or MLA layers, one kind per "
                 f"storage; got {sorted(kinds)}"
             )
+        sidecars = [p.name for x in desc.model.layers for p in x.sidecar_planes]
+        if sidecars:  # its blocks would carry sidecar bytes nothing wrote: refuse, not zeros
+            raise ValueError(
+                f"kv layout: the engine does not keep sidecar planes ({sorted(set(sidecars))}, "
+                "DeepSeek V3.2's indexer) in its paged cache yet"
+            )
         quant_ok = desc.layout.quant == "none" or (kinds == {MLA} and desc.layout.quant == DS_MLA)
         if not quant_ok or not desc.layout.is_paged:
             raise ValueError(

@@ -1,5 +1,5 @@
 """Llama-family models (Llama 2/3, SmolLM2, Mistral, Qwen2), Gemma 3 and 4 text, Laguna and
-DeepSeek-V3 (MLA): config, weights, tokenizer.
+DeepSeek-V3 (MLA) and V3.2 (MLA with a lightning indexer): config, weights, tokenizer.
 
 `load_model(name_or_path)` gives a `LoadedModel(config, model, tokenizer)`; the model's forward
 takes flat token ids and positions and delegates attention per layer to an `AttentionFn`.
@@ -10,6 +10,7 @@ from kvabi.models.checkpoint import Checkpoint
 from kvabi.models.config import ModelConfig, RopeScaling
 from kvabi.models.deepseek_v3 import DeepseekV3Model
 from kvabi.models.deepseek_v3_config import DeepseekV3Config
+from kvabi.models.deepseek_v32 import DeepseekV32Model
 from kvabi.models.gemma3 import Gemma3Model
 from kvabi.models.gemma3_config import Gemma3Config
 from kvabi.models.gemma4 import Gemma4Model
@@ -26,6 +27,7 @@ from kvabi.models.registry import (
     load_model,
     resolve_model,
 )
+from kvabi.models.sparse_attention import ContiguousSparseAttention
 from kvabi.models.tokenizer import Tokenizer
 
 __all__ = [
@@ -33,8 +35,10 @@ __all__ = [
     "AttentionFn",
     "Checkpoint",
     "ContiguousAttention",
+    "ContiguousSparseAttention",
     "DeepseekV3Config",
     "DeepseekV3Model",
+    "DeepseekV32Model",
     "Gemma3Config",
     "Gemma3Model",
     "Gemma4Config",

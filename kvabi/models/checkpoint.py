@@ -10,6 +10,7 @@ from kvabi.models.config import ModelConfig
 from kvabi.models.cpu_kernels import has_native_bf16
 from kvabi.models.deepseek_v3 import DeepseekV3Model
 from kvabi.models.deepseek_v3_config import DeepseekV3Config
+from kvabi.models.deepseek_v32 import DeepseekV32Model
 from kvabi.models.gemma3 import Gemma3Model
 from kvabi.models.gemma3_config import Gemma3Config
 from kvabi.models.gemma4 import Gemma4Model
@@ -23,6 +24,7 @@ AnyModel = LlamaModel | Gemma3Model | Gemma4Model | LagunaModel | DeepseekV3Mode
 # architecture -> model class; every other architecture is a LlamaModel
 MODEL_CLASSES: dict[str, type[AnyModel]] = {
     "deepseek_v3": DeepseekV3Model,
+    "deepseek_v32": DeepseekV32Model,
     "gemma3": Gemma3Model,
     "gemma4": Gemma4Model,
     "laguna": LagunaModel,

@@ -81,8 +81,21 @@ class MlaAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn
     ) -> torch.Tensor:
+        return self.attend(x, self._query(x), cos, sin, attn)
+
+    def attend(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionFn,
+        **attn_kwargs: torch.Tensor,
+    ) -> torch.Tensor:
+        """MLA over query projections q [T, heads * qk_head_dim]; `attn_kwargs` go to `attn`
+        (DeepSeek V3.2's `keep` mask)."""
         num_tokens = x.shape[0]
-        q = self._query(x).view(num_tokens, self.num_heads, -1)  # [T, heads, qk_head_dim]
+        q = q.view(num_tokens, self.num_heads, -1)  # [T, heads, qk_head_dim]
         q_nope, q_pe = q.split(self.split_q, dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split(self.split_kv, dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)[:, None, :]  # [T, 1, kv_lora_rank]
@@ -90,7 +103,7 @@ class MlaAttention(nn.Module):
         w_uk, w_uv = self.absorbed_weights()
         q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk)  # [T, heads, kv_lora_rank]
         q = torch.cat((q_latent, q_pe), dim=-1) * self.q_scale
-        out = attn(self.layer_id, q, c_kv, k_pe)  # [T, heads, kv_lora_rank]
+        out = attn(self.layer_id, q, c_kv, k_pe, **attn_kwargs)  # [T, heads, kv_lora_rank]
         out = torch.einsum("thl,hvl->thv", out, w_uv)  # [T, heads, v_head_dim]
         return self.o_proj(out.reshape(num_tokens, -1))
 

@@ -3,14 +3,16 @@
 DeepSeek-V3: multi-head latent attention (MLA: a shared latent c_kv of `kv_lora_rank` plus one
 decoupled RoPE key of `qk_rope_head_dim` per token, optionally a low-rank query), plain or YaRN
 RoPE (interleaved pairs when `rope_interleave`), SwiGLU MLPs on the first `first_k_dense_replace`
-layers and a sigmoid-routed, group-limited MoE with shared experts after.
+layers and a sigmoid-routed, group-limited MoE with shared experts after. DeepSeek V3.2
+(`deepseek_v32`) adds a lightning indexer per layer (`index_n_heads` x `index_head_dim`), whose
+top `index_topk` keys per query are the only ones its MLA attends to.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvabi.abi.descriptor import MLA, LayerSpec
@@ -57,6 +59,9 @@ class DeepseekV3Config:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "deepseek_v3"
+    index_n_heads: int = 0  # deepseek_v32 only: the lightning indexer's heads, key width, top-k
+    index_head_dim: int = 0
+    index_topk: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
@@ -72,8 +77,12 @@ class DeepseekV3Config:
                 "first_k_dense_replace", f"must be in [0, {self.num_layers}], got "
                 f"{self.first_k_dense_replace}"
             )  # fmt: skip
-        if self.architecture != "deepseek_v3":
-            raise config_error("architecture", f"{self.architecture!r} is not 'deepseek_v3'")
+        if self.architecture not in ("deepseek_v3", "deepseek_v32"):
+            raise config_error(
+                "architecture", f"{self.architecture!r} is not 'deepseek_v3' or 'deepseek_v32'"
+            )
+        if self.has_indexer or self.architecture == "deepseek_v32":
+            self._check_indexer()
         if self.first_k_dense_replace < self.num_layers:
             self._check_moe()
 
@@ -98,6 +107,23 @@ class DeepseekV3Config:
                 f"topk_group groups), got {self.num_experts_per_tok}",
             )
 
+    def _check_indexer(self) -> None:
+        if self.architecture != "deepseek_v32":
+            raise config_error("index_n_heads", "an indexer is DeepSeek V3.2's (deepseek_v32)")
+        for name in ("index_n_heads", "index_head_dim", "index_topk"):
+            if getattr(self, name) <= 0:
+                raise config_error(name, f"DeepSeek V3.2 needs > 0, got {getattr(self, name)!r}")
+        if self.index_head_dim < self.qk_rope_head_dim:
+            raise config_error("index_head_dim", "must be >= qk_rope_head_dim (its RoPE part)")
+        if self.q_lora_rank is None or not self.rope_interleave:
+            raise config_error(
+                "q_lora_rank", "DeepSeek V3.2 has a low-rank query and interleaved MLA RoPE"
+            )
+
+    @property
+    def has_indexer(self) -> bool:
+        return self.index_n_heads > 0
+
     @property
     def experts_per_group(self) -> int:
         return self.n_routed_experts // self.n_group
@@ -116,8 +142,14 @@ class DeepseekV3Config:
         return layer_id >= self.first_k_dense_replace
 
     def kv_layers(self) -> tuple[LayerSpec, ...]:
-        """What each layer caches: the latent c_kv and the RoPE key k_pe, one of each a token."""
-        spec = LayerSpec(MLA, latent_dim=self.kv_lora_rank, rope_dim=self.qk_rope_head_dim)
+        """What each layer caches: the latent c_kv and the RoPE key k_pe, one of each a token;
+        DeepSeek V3.2 also its indexer key (the sidecar plane `indexer`)."""
+        spec = LayerSpec(
+            MLA,
+            latent_dim=self.kv_lora_rank,
+            rope_dim=self.qk_rope_head_dim,
+            indexer_dim=self.index_head_dim if self.has_indexer else 0,
+        )
         return (spec,) * self.num_layers
 
 
@@ -203,6 +235,28 @@ def read_deepseek_v3_config(
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids(raw.get("eos_token_id"), extra_eos),
+    )
+
+
+def read_deepseek_v32_config(
+    raw: Mapping[str, Any], extra_eos: tuple[int, ...] = ()
+) -> DeepseekV3Config:
+    """config.json of `deepseek_v32` -> DeepseekV3Config with its indexer (HF's defaults).
+    HF's V3.2 always uses a low-rank query and interleaved MLA RoPE (no `rope_interleave`)."""
+    base = read_deepseek_v3_config({**raw, "rope_interleave": True}, extra_eos)
+    layer_types = raw.get("mlp_layer_types")
+    dense = base.first_k_dense_replace
+    if layer_types is not None:
+        dense = layer_types.count("dense")
+        if layer_types != ["dense"] * dense + ["sparse"] * (base.num_layers - dense):
+            raise CheckpointError(f"mlp_layer_types {layer_types!r}: only dense then sparse")
+    return replace(
+        base,
+        architecture="deepseek_v32",
+        first_k_dense_replace=dense,
+        index_n_heads=raw.get("index_n_heads", 64),
+        index_head_dim=raw.get("index_head_dim", 128),
+        index_topk=raw.get("index_topk", 2048),
     )
 
 

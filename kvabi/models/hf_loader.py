@@ -22,6 +22,7 @@ from kvabi.models.deepseek_v3_config import (
     DeepseekV3Config,
     deepseek_v3_weight_name,
     read_deepseek_v3_config,
+    read_deepseek_v32_config,
 )
 from kvabi.models.errors import CheckpointError, MissingFieldError, UnknownArchitectureError
 from kvabi.models.expert_weights import merge_expert_weights
@@ -32,6 +33,7 @@ from kvabi.models.laguna_config import LagunaConfig, laguna_weight_name, read_la
 # model_type -> its own config reader; the rest are the Llama family, read here
 OWN_READERS = {
     "deepseek_v3": read_deepseek_v3_config,
+    "deepseek_v32": read_deepseek_v32_config,
     "gemma3": read_gemma3_config,
     "gemma3_text": read_gemma3_config,
     "gemma4": read_gemma4_config,

@@ -14,6 +14,7 @@ from kvabi.wire.errors import (
     ChecksumError,
     ContainerError,
     FormatError,
+    SectionPlaneError,
     TruncatedError,
     VersionError,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "ContainerMeta",
     "ContainerWriter",
     "FormatError",
+    "SectionPlaneError",
     "LayerSection",
     "TruncatedError",
     "VersionError",

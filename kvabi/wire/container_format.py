@@ -15,7 +15,13 @@ import xxhash
 from kvabi.abi.buffers import BufferSpec, layer_buffer_specs, owner_layers
 from kvabi.abi.descriptor import ATTN, Descriptor
 from kvabi.abi.kv_groups import window_start
-from kvabi.wire.errors import BadMagicError, ChecksumError, FormatError, VersionError
+from kvabi.wire.errors import (
+    BadMagicError,
+    ChecksumError,
+    FormatError,
+    SectionPlaneError,
+    VersionError,
+)
 
 MAGIC = b"KVABI\x00\r\n"
 SECTION_MAGIC = b"KVSC"
@@ -224,6 +230,7 @@ def check_section_header(data: bytes | memoryview, expected: SectionLayout, inde
             "(one section per owner layer, ascending)"
         )
     if payload_len != expected.payload_len:
+        _check_planes_present(expected, payload_len, where)
         tail = (
             f" (a {expected.window}-token window: blocks/slots {expected.first} on only)"
             if expected.window
@@ -236,6 +243,20 @@ def check_section_header(data: bytes | memoryview, expected: SectionLayout, inde
     if reserved:
         raise FormatError(f"{where} (layer {layer_id}): reserved field is {reserved:#x}, not 0")
     return stored
+
+
+def _check_planes_present(expected: SectionLayout, payload_len: int, where: str) -> None:
+    """A payload that ends where a sidecar buffer would start lacks that plane: say so."""
+    end = 0  # the end of the buffers before spec j
+    for spec, offset in zip(expected.specs, expected.offsets, strict=True):
+        if spec.is_sidecar and payload_len == end:
+            raise SectionPlaneError(
+                expected.layer_id,
+                spec.planes[0],
+                f"{where}: payload_len {payload_len} ends before buffer {spec.key!r} "
+                f"(the descriptor says {expected.payload_len})",
+            )
+        end = offset + spec.num_bytes
 
 
 def end_record(section_checksums: list[int]) -> bytes:

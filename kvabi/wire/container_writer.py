@@ -12,7 +12,7 @@ import torch
 from kvabi.abi.block_hash import token_array
 from kvabi.abi.buffers import CacheBuffers, layer_buffer_specs, owner_layers
 from kvabi.abi.descriptor import Descriptor
-from kvabi.abi.errors import ShapeError
+from kvabi.abi.errors import MissingPlaneError, ShapeError
 from kvabi.wire.container_format import (
     HASH_BYTES,
     TOKEN_BYTES,
@@ -204,6 +204,9 @@ def _tail(
 def _payload_parts(layout: SectionLayout, tensors: dict[str, torch.Tensor]) -> list[memoryview]:
     """The payload as pieces: each buffer's bytes, preceded by the zeros that align it."""
     keys = [s.key for s in layout.specs]
+    for spec in layout.specs:
+        if spec.is_sidecar and spec.key not in tensors:
+            raise MissingPlaneError(layout.layer_id, spec.planes[0], f"no buffer {spec.key!r}")
     if sorted(tensors) != sorted(keys):
         raise ShapeError(
             f"layer {layout.layer_id}: got buffers {sorted(tensors)}, the descriptor names {keys}"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvabi.abi.errors import KvabiError
+from kvabi.abi.errors import KvabiError, MissingPlaneError
 
 
 class ContainerError(KvabiError, ValueError):
@@ -28,3 +28,8 @@ class ChecksumError(ContainerError):
 class FormatError(ContainerError):
     """Well-formed bytes that disagree with the format or the descriptor: a layer out of order,
     a payload length, a section count, non-zero padding, trailing bytes."""
+
+
+class SectionPlaneError(FormatError, MissingPlaneError):
+    """A section whose payload lacks a plane its descriptor declares (its bytes end where the
+    declared planes before it end): the container is refused, no layer of it is returned."""

@@ -75,6 +75,7 @@ def descriptors(draw) -> Descriptor:
                     MLA,
                     latent_dim=draw(st.sampled_from([16, 512])),
                     rope_dim=draw(st.sampled_from([0, 8, 64])),
+                    indexer_dim=draw(st.sampled_from([0, 0, 8, 128])),  # V3.2 (ABI 1.3)
                 ),
             )
             * 2,
