@@ -141,6 +141,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from kvabi.bench.decode_bench import run as run_decode
 
         run_decode(args.quick, args.json)
+    elif args.what == "mla":
+        from kvabi.bench.mla_bench import run as run_mla
+
+        run_mla(args.quick, args.json)
     return 0
 
 
@@ -186,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
             "disagg",
             "vllm",
             "decode",
+            "mla",
         ],
     )
 
