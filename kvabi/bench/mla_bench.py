@@ -53,8 +53,8 @@ class Sizes:
     prompt_len: int = 16
 
 
-FULL = Sizes(MLAShape(4, 256, 4, 512), 8, 32, MLAShape(8, 2048, 16, 5632), 64, 3)
-QUICK = Sizes(MLAShape(4, 256, 4, 512), 4, 32, MLAShape(4, 1024, 8, 2816), 16, 1)
+FULL = Sizes(MLAShape(4, 256, 4, 512), 8, 32, MLAShape(8, 2048, 16, 5632), 32, 2)
+QUICK = Sizes(MLAShape(4, 256, 4, 512), 4, 32, MLAShape(4, 1536, 12, 4096), 32, 2)
 TINY = Sizes(MLAShape(2, 64, 2, 128, 16, 16), 4, 8, MLAShape(1, 64, 2, 128, 16, 16), 2, 1, 8)
 
 
@@ -153,7 +153,7 @@ def _print(f: dict[str, Any]) -> None:
                 "bf16_logit_std",
                 "bf16_min_top2_margin",
             )
-        ],  # fmt: skip
+        ],
     )
     rows = []
     for batch in BATCHES:
