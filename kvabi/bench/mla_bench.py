@@ -32,6 +32,7 @@ from kvabi.models.cpu_kernels import has_native_bf16, kernel_status
 from kvabi.models.registry import load_model
 
 PLAN_CONTEXT = 131072
+_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # DeepSeek-V3's config.json: num_attention_heads 128, qk_nope_head_dim 128 + qk_rope_head_dim 64
 # per K head, v_head_dim 128: the K/V an expanded (non-absorbed) cache holds per layer.
 EXPANDED = LayerSpec(ATTN, num_kv_heads=128, k_dim=128 + 64, v_dim=128)
@@ -90,7 +91,7 @@ def run(quick: bool, json_path: str | None, sizes: Sizes | None = None) -> dict:
         prompts = random_prompts(sizes.num_prompts, sizes.prompt_len, seed=1)
         figures |= teacher_forced(loaded, prompts, sizes.num_steps)
     with tempfile.TemporaryDirectory() as tmp:
-        hf = random_deepseek_v3(sizes.decode, Path(tmp)).to(getattr(torch, _TORCH[dtype]))
+        hf = random_deepseek_v3(sizes.decode, Path(tmp)).to(_TORCH_DTYPES[dtype])
         loaded = load_model(tmp, dtype=dtype, progress=False)
         prompts = random_prompts(max(BATCHES), sizes.prompt_len, seed=2)
         figures |= decode_rates(loaded, hf, prompts, sizes.num_new, sizes.repeats)
@@ -99,9 +100,6 @@ def run(quick: bool, json_path: str | None, sizes: Sizes | None = None) -> dict:
     _print(figures)
     write_json(json_path, figures)
     return figures
-
-
-_TORCH = {"bf16": "bfloat16", "fp32": "float32"}
 
 
 def _describe(s: MLAShape) -> str:
