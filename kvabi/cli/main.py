@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from kvabi.abi.catalog import MODEL_NAMES, catalog_model
+from kvabi.abi.descriptor import ATTN, MLA
 from kvabi.abi.errors import KvabiError
 from kvabi.abi.plan import plan
 from kvabi.abi.presets import PRESETS, preset_descriptor
@@ -78,11 +79,17 @@ def cmd_layouts(args: argparse.Namespace) -> int:
     return 0
 
 
+DEFAULT_PLAN_LAYOUTS = {ATTN: "vllm-flash-attn", MLA: "vllm-mla"}  # by the model's layer kind
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     if args.descriptor:
         desc = from_text(args.descriptor)
     else:
-        desc = preset_descriptor(args.layout, catalog_model(args.model), dtype=args.dtype)
+        model = catalog_model(args.model)
+        layout = args.layout or DEFAULT_PLAN_LAYOUTS[model.layers[0].kind]
+        dtype = {} if args.dtype is None else {"dtype": args.dtype}  # None: the preset's own
+        desc = preset_descriptor(layout, model, **dtype)
     p = plan(desc, args.context, args.concurrency)
     print(f"descriptor: {desc}")
     print_table(
@@ -134,6 +141,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from kvabi.bench.decode_bench import run as run_decode
 
         run_decode(args.quick, args.json)
+    elif args.what == "mla":
+        from kvabi.bench.mla_bench import run as run_mla
+
+        run_mla(args.quick, args.json)
     return 0
 
 
@@ -147,8 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_container_commands(sub)
     p = sub.add_parser("plan", help="KV bytes per token, request and fleet")
     p.add_argument("--model", default="llama-3-70b", choices=MODEL_NAMES)
-    p.add_argument("--layout", default="vllm-flash-attn", choices=sorted(PRESETS), metavar="PRESET")
-    p.add_argument("--dtype", default="bf16")
+    p.add_argument(
+        "--layout",
+        choices=sorted(PRESETS),
+        metavar="PRESET",
+        help="default: vllm-flash-attn for attention models, vllm-mla for MLA models",
+    )
+    p.add_argument("--dtype", help="default: the preset's (bf16, or u8 for fp8 records)")
     p.add_argument("--descriptor", help="a descriptor's text form instead of model + layout")
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--concurrency", type=int, default=1)
@@ -174,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
             "disagg",
             "vllm",
             "decode",
+            "mla",
         ],
     )
 

@@ -37,6 +37,18 @@ def test_plan_llama3_70b_is_10_7_gb_per_32k_request(capsys):
     assert "10737418240" in out and "327680" in out
 
 
+def test_plan_deepseek_v3_defaults_to_vllm_mla_and_keeps_fp8_records_dtype(capsys):
+    """An MLA model plans in vllm-mla (576 bf16 values = 1,152 B per token per layer, 61 layers);
+    the fp8_ds_mla preset keeps its u8 records (656 B) unless --dtype says otherwise."""
+    assert main(["plan", "--model", "deepseek-v3", "--context", "131072"]) == 0
+    out = capsys.readouterr().out
+    assert "name=vllm-mla" in out and f"{61 * 1152 * 131072}" in out
+    argv = ["plan", "--model", "deepseek-v3", "--context", "131072", "--layout", "vllm-fp8-ds-mla"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "dtype=u8 quant=fp8_ds_mla" in out and f"{61 * 656 * 131072}" in out
+
+
 def test_inspect_and_convert_round_trip(tmp_path, capsys):
     cache, tokens, hashes = _container(tmp_path / "a.kvabi")
     assert main(["inspect", str(tmp_path / "a.kvabi")]) == 0
