@@ -23,7 +23,7 @@ from kvabi.abi.presets import preset_descriptor
 from kvabi.cache.block_api import FetchRequest
 from kvabi.engine.engine import EngineConfig, LLMEngine, model_spec
 from kvabi.engine.sampling_params import SamplingParams
-from kvabi.interop.errors import ModelMismatchError
+from kvabi.interop.errors import InteropError, ModelMismatchError
 from kvabi.interop.foreign_prefill import HFPrefillProvider
 from kvabi.interop.hf_cache import (
     buffers_to_dynamic_cache,
@@ -99,6 +99,14 @@ def test_spec_is_the_engines(served: Served) -> None:
     assert (layer.kind, layer.latent_dim, layer.rope_dim) == (
         "mla", cfg.kv_lora_rank, cfg.qk_rope_head_dim
     )  # fmt: skip
+
+
+def test_other_latent_models_are_refused() -> None:
+    """DeepSeek-V2 caches expanded keys and V3.2 an indexer key beside the latents: neither is
+    read as V3's two planes."""
+    for config in (transformers.DeepseekV2Config(), transformers.DeepseekV32Config()):
+        with pytest.raises(InteropError, match=config.model_type):
+            model_spec_from_hf_config(config)
 
 
 def test_export_is_the_cache(served: Served) -> None:
