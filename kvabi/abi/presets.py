@@ -189,6 +189,15 @@ _ROWS = [
     ),
     # HF transformers DynamicCache: per layer keys/values [batch, H, S, D], one batch row
     _p("hf-dynamic", ATTN, HF, "keys, values: [batch, H_kv, S, D]", "HTC", bs=0),
+    # HF DeepseekV3 (MLA) caches its latents in the same layers: keys c_kv, values k_pe
+    _p(
+        "hf-dynamic-mla",
+        MLA,
+        HF + ", models/deepseek_v3/modeling_deepseek_v3.py",
+        "keys c_kv [batch, 1, S, rank], values k_pe [batch, 1, S, rope]",
+        "HTC",
+        bs=0,
+    ),
     # llama.cpp state: per layer K rows [cell][H*D]; V rows, or V^T [H*D][cell] without FA
     _p("llamacpp-f16", ATTN, LLAMACPP, "K rows [cell][H*D], V rows", "THC", bs=0, dtype="f16"),
     _p(

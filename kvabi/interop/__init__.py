@@ -4,7 +4,8 @@
   fingerprint).
 - sliding.py: a sliding-window (hybrid) cache as one sequence's buffers: full extent, only the
   window of the next position carried.
-- hf_cache.py: `DynamicCache` (sliding layers too) <-> `hf-dynamic` buffers; the cache keyword.
+- hf_cache.py: `DynamicCache` (sliding layers too; MLA latents: `hf-dynamic-mla`) <-> `hf-dynamic`
+  buffers; the cache keyword.
 - llamacpp_state.py: parse and write llama.cpp's state byte grammar (seq v3/v2, full state;
   iSWA: base then SWA cache).
 - llamacpp_model.py: parsed states <-> `llamacpp-*` buffers, in a target context's format.

@@ -10,6 +10,12 @@ last W - 1 tokens, what the next query attends to besides itself. As kvabi buffe
 has the full extent of n tokens; a sliding layer's positions max(0, n - W + 1) .. n - 1 carry
 its KV and the positions before are zeros (kvabi's convention for a hybrid cache in one
 sequence's buffers, sliding.py).
+
+MLA models (DeepSeek-V3): HF caches the latents in the same `DynamicLayer`s, keys = c_kv after
+`kv_a_layernorm` `[batch, 1, T, kv_lora_rank]`, values = k_pe after RoPE `[batch, 1, T, rope]`;
+preset `hf-dynamic-mla`, buffer keys `'{layer}.latent'`, `'{layer}.rope'`. Every layer's shapes
+are checked against the model's planes, so an attention cache offered as MLA, or the reverse,
+is refused before any byte is read as KV.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import torch
 from kvabi.abi.buffers import CacheBuffers
 from kvabi.abi.codec import TORCH_DTYPES
 from kvabi.abi.convert import convert
-from kvabi.abi.descriptor import ModelSpec
+from kvabi.abi.descriptor import MLA, LayerSpec, ModelSpec
 from kvabi.abi.kv_groups import window_start
 from kvabi.abi.presets import preset_descriptor
 from kvabi.interop.errors import InteropError, ModelMismatchError, UnsupportedTypeError
@@ -54,13 +60,32 @@ def dynamic_cache_to_buffers(cache: Any, model: ModelSpec, batch_index: int = 0)
     num_tokens = _num_tokens(layers, model)
     tensors: dict[str, torch.Tensor] = {}
     for i, (layer, spec) in enumerate(zip(layers, model.layers, strict=True)):
-        for plane, held in (("k", layer.keys), ("v", layer.values)):
+        held_planes = (layer.keys, layer.values)
+        _check_planes(held_planes, spec, i)
+        for plane, held in zip(spec.planes, held_planes, strict=True):
             row = held[batch_index].detach()  # [H, T_held, D]
             if spec.window:
                 row = _pad_window(row, num_tokens, spec.window, i)
-            tensors[f"{i}.{plane}"] = row.cpu().contiguous()  # [H, T, D]
-    desc = preset_descriptor("hf-dynamic", model, dtype=_dtype_name(tensors["0.k"].dtype))
-    return CacheBuffers(desc, tensors)
+            tensors[f"{i}.{plane.name}"] = row.cpu().contiguous()  # [H, T, D]
+    dtype = _dtype_name(next(iter(tensors.values())).dtype)
+    return CacheBuffers(preset_descriptor(hf_preset(model), model, dtype=dtype), tensors)
+
+
+def hf_preset(model: ModelSpec) -> str:
+    """The preset of HF's cache for `model`: `hf-dynamic-mla` for MLA, else `hf-dynamic`."""
+    return "hf-dynamic-mla" if model.layers[0].kind == MLA else "hf-dynamic"
+
+
+def _check_planes(held: tuple[torch.Tensor, torch.Tensor], spec: LayerSpec, layer_id: int) -> None:
+    """Refuse a layer whose keys/values are not the model's planes: (heads, width) of K and V
+    for attention, (1, kv_lora_rank) and (1, rope) for MLA."""
+    want = [(p.num_heads, p.width) for p in spec.planes]
+    got = [(t.shape[1], t.shape[-1]) if t.dim() == 4 else tuple(t.shape) for t in held]
+    if got != want:
+        raise ModelMismatchError(
+            f"layer {layer_id}: the cache's keys and values are {got} (heads, width); the "
+            f"model's {spec.kind} layer caches {want} ({', '.join(p.name for p in spec.planes)})"
+        )
 
 
 def _num_tokens(layers: list[Any], model: ModelSpec) -> int:
@@ -111,8 +136,9 @@ def buffers_to_dynamic_cache(
 ) -> Any:
     """A `DynamicCache` (batch 1) holding the first `num_tokens` tokens of any kvabi cache.
 
-    The cache converts to `hf-dynamic` for a model with `config` (K re-ordered to HF's pairing,
-    values decoded); `config`'s geometry and windows must match the cache's model. A sliding
+    The cache converts to `hf-dynamic` (`hf-dynamic-mla`) for a model with `config` (K
+    re-ordered to HF's pairing, values decoded, fp8_ds_mla records dequantised); `config`'s
+    geometry, layer kinds and windows must match the cache's model. A sliding
     layer keeps exactly what HF keeps after a prefill of those tokens (the last window - 1).
     `dtype` defaults to the
     source's float dtype (float32 for a quantised source). A paged source needs `num_tokens`
@@ -134,16 +160,14 @@ def buffers_to_dynamic_cache(
                 "a paged cache does not say how many tokens it holds: give num_tokens"
             )
         num_tokens = cache.extent
-    dst = preset_descriptor("hf-dynamic", hf_model, dtype=_dtype_name(dtype))
+    dst = preset_descriptor(hf_preset(hf_model), hf_model, dtype=_dtype_name(dtype))
     out = convert(cache, dst, num_tokens=num_tokens, src_block_ids=block_ids)
-    check_windows_held(out, num_tokens)
+    if dst.layout.name == "hf-dynamic":
+        check_windows_held(out, num_tokens)
     pairs = [
-        (
-            out.tensors[f"{i}.k"].unsqueeze(0).to(device),  # [1, H, T, D]
-            out.tensors[f"{i}.v"].unsqueeze(0).to(device),
-        )
-        for i in range(hf_model.num_layers)
-    ]
+        tuple(out.tensors[f"{i}.{p.name}"].unsqueeze(0).to(device) for p in spec.planes)
+        for i, spec in enumerate(hf_model.layers)
+    ]  # per layer (keys, values): [1, H, T, D]; MLA: c_kv [1, 1, T, rank], k_pe [1, 1, T, rope]
     # a DynamicSlidingWindowLayer fed all T tokens keeps the last window - 1 and counts T
     return DynamicCache(pairs, config=config)
 
@@ -169,6 +193,8 @@ def output_cache(outputs: Any) -> Any:
 
 def _geometry(model: ModelSpec) -> str:
     first = model.layers[0]
+    if first.kind == MLA:
+        return f"MLA {first.latent_dim}+{first.rope_dim} x{model.num_layers} layers"
     windows = sorted({x.window for x in model.layers})
     return f"{first.num_kv_heads}x{first.k_dim} x{model.num_layers} layers, windows {windows}"
 

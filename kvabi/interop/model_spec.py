@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kvabi.abi.descriptor import LayerSpec, ModelSpec
+from kvabi.abi.descriptor import MLA, LayerSpec, ModelSpec
 from kvabi.interop.errors import InteropError, ModelMismatchError
 
 # llama.cpp rope type per GGUF arch (llama_model_rope_type). NORM archs whose HF->GGUF converter
@@ -87,9 +87,11 @@ def model_spec_from_hf_config(
 
     Layers are full attention or sliding (`swa`, with HF's `sliding_window`: a query sees that
     many keys, itself included), as HF's own `DynamicCache` builds them from the config; other
-    layer types are refused.
+    layer types are refused. A config with `kv_lora_rank` (DeepSeek-V3) caches MLA latents.
     """
     cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if getattr(cfg, "kv_lora_rank", None):
+        return _mla_model_spec(cfg, fingerprint, rope_pairing)
     num_heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
     num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
@@ -104,6 +106,20 @@ def model_spec_from_hf_config(
         rope_pairing=rope_pairing,
         rope_dim=rope_dim,
     )
+
+
+def _mla_model_spec(cfg: Any, fingerprint: str, rope_pairing: str) -> ModelSpec:
+    """DeepSeek-V3's MLA cache: per layer the latent c_kv (after kv_a_layernorm) and k_pe after
+    RoPE, in `half` order (HF de-interleaves `rope_interleave` models before rotating). Other
+    latent models cache otherwise (V2: expanded keys; V3.2: an indexer key beside the latents)
+    and are refused rather than mapped short of a plane."""
+    if cfg.model_type != "deepseek_v3":
+        raise InteropError(
+            f"model_type {cfg.model_type!r}: of the latent-attention models only DeepSeek-V3's "
+            "HF cache (c_kv, k_pe per layer) is mapped"
+        )
+    layer = LayerSpec(MLA, latent_dim=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim)
+    return ModelSpec((layer,) * cfg.num_hidden_layers, fingerprint, rope_pairing=rope_pairing)
 
 
 def _hf_layer_windows(cfg: Any) -> list[int]:

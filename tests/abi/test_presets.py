@@ -323,3 +323,14 @@ def test_mla_presets(name):
                 assert row.numpy().tobytes() == _ds_mla_record(lat.numpy(), rope.numpy())
             else:
                 assert torch.equal(row, torch.cat([lat, rope]).bfloat16())
+
+
+def test_hf_dynamic_mla_is_hfs_keys_and_values():
+    """HF DeepseekV3's DynamicLayer: keys c_kv [batch, 1, S, 512], values k_pe [batch, 1, S, 64];
+    one batch row is `{layer}.latent` [1, T, 512] and `{layer}.rope` [1, T, 64], token t at t."""
+    src, vals = _source(MLA_MODEL, MLA_PLANES)
+    desc = preset_descriptor("hf-dynamic-mla", MLA_MODEL, dtype="f32")
+    got = convert(src, desc, num_tokens=T)
+    assert sorted(got.tensors) == sorted(f"{l}.{p}" for l in range(L) for p in ("latent", "rope"))
+    for key, tensor in vals.items():  # [T, 1, width]
+        assert torch.equal(got.tensors[key], tensor.transpose(0, 1)), key
