@@ -247,8 +247,10 @@ def test_a_cache_without_its_indexer_buffer_is_refused_naming_the_plane():
     assert (info.value.layer_id, info.value.plane) == (0, "indexer")
 
 
-MLA_PRESETS = sorted(
-    name for name, p in PRESETS.items() if p.kind == MLA and not p.layout.is_cross_layer
+MLA_PRESETS = sorted(  # paged ones: the pair test moves blocks through block tables
+    name
+    for name, p in PRESETS.items()
+    if p.kind == MLA and not p.layout.is_cross_layer and p.layout.is_paged
 )
 
 
@@ -276,3 +278,14 @@ def test_every_mla_preset_pair_carries_the_indexer_byte_for_byte(src_name, dst_n
     )
     got = out.tensors["0.indexer"][[4, 0, 3, 1, 2]]
     assert torch.equal(got, encode_blocks(keys, 2))
+
+
+def test_an_unpaged_mla_layout_carries_the_indexer_per_token():
+    """Paged -> unpaged (`hf-dynamic-mla`, HF's latent cache, a T axis): the sidecar becomes one
+    132-byte record per token, the same bytes as a one-token-per-block encoding."""
+    src = CacheBuffers.empty(preset_descriptor("vllm-mla", V32, block_size=4), 3, "zeros")
+    keys = torch.randn(10, 128, generator=torch.Generator().manual_seed(7))
+    src.tensors["0.indexer"][[2, 0, 1]] = encode_blocks(keys, 4)
+    dst = preset_descriptor("hf-dynamic-mla", V32)
+    out = convert(src, dst, num_tokens=10, src_block_ids=[2, 0, 1])
+    assert torch.equal(out.tensors["0.indexer"], encode_blocks(keys, 1).reshape(10, 132))
