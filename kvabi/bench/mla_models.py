@@ -7,12 +7,13 @@ cache is the real 576 values / 656-byte record per token); the rest is sized to 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from kvabi.models.tokenizer import write_byte_level_tokenizer
 
 VOCAB = 96  # printable ASCII (94) + <s> + </s>, as the byte tokenizer below
 
@@ -71,30 +72,8 @@ def random_deepseek_v3(shape: MLAShape, folder: Path, seed: int = 0) -> Any:
                 tensor.copy_(noise * (0.5 if tensor.dim() == 1 else tensor.shape[-1] ** -0.5))
     hf.eval()
     hf.save_pretrained(folder)
-    write_byte_tokenizer(folder)
+    write_byte_level_tokenizer(folder)
     return hf
-
-
-def write_byte_tokenizer(folder: Path) -> None:
-    """A byte-level BPE over printable ASCII (ids 0..93), plus <s> 94 and </s> 95."""
-    from tokenizers import Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import BPE
-
-    from kvabi.models.tokenizer import _byte_alphabet
-
-    vocab = {c: i for i, c in enumerate(_byte_alphabet()[33:127])}
-    vocab |= {"<s>": 94, "</s>": 95}
-    backend = Tokenizer(BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(["<s>", "</s>"])
-    backend.save(str(folder / "tokenizer.json"))
-    config = {
-        "bos_token": "<s>",
-        "eos_token": {"content": "</s>"},
-        "chat_template": "{{ bos_token }}",
-    }
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def random_prompts(num: int, length: int, seed: int = 0) -> list[list[int]]:

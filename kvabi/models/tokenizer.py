@@ -61,6 +61,25 @@ def _byte_alphabet() -> tuple[str, ...]:
 
 
 @cache
+def write_byte_level_tokenizer(folder: Path) -> None:
+    """A tiny byte-level BPE for random-weight test and bench models (vocabulary 96): printable
+    ASCII as ids 0..93, `<s>` 94, `</s>` 95, no merges; `tokenizer.json` and a
+    `tokenizer_config.json` naming the specials and a BOS-only chat template."""
+    vocab = {c: i for i, c in enumerate(_byte_alphabet()[33:127])}
+    vocab |= {"<s>": 94, "</s>": 95}
+    backend = Backend(BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<s>", "</s>"])
+    backend.save(str(Path(folder) / "tokenizer.json"))
+    config = {
+        "bos_token": "<s>",
+        "eos_token": {"content": "</s>"},
+        "chat_template": "{{ bos_token }}",
+    }
+    (Path(folder) / "tokenizer_config.json").write_text(json.dumps(config))
+
+
 def _byte_alphabet_set() -> frozenset[str]:
     return frozenset(_byte_alphabet())
 

@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer as Backend
-from tokenizers import decoders, pre_tokenizers
-from tokenizers.models import BPE
 
 from kvabi.models import DEFAULT_MODEL, ContiguousAttention, ModelSource, load_model, resolve_model
 from kvabi.models.registry import bundled_model_path
-from kvabi.models.tokenizer import _byte_alphabet
+from kvabi.models.tokenizer import write_byte_level_tokenizer as _write_tokenizer
 from tests.models.tiny import make_hf
 
 
@@ -38,22 +34,6 @@ def test_paths(tmp_path: Path) -> None:
         resolve_model(tmp_path / "nope.gguf")
     with pytest.raises(ValueError, match="format"):
         ModelSource(tmp_path, "onnx")
-
-
-def _write_tokenizer(folder: Path) -> None:
-    vocab = {c: i for i, c in enumerate(_byte_alphabet()[33:127])}  # ids 0..93: printable ASCII
-    vocab |= {"<s>": 94, "</s>": 95}
-    backend = Backend(BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(["<s>", "</s>"])
-    backend.save(str(folder / "tokenizer.json"))
-    config = {
-        "bos_token": "<s>",
-        "eos_token": {"content": "</s>"},
-        "chat_template": "{{ bos_token }}",
-    }
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def test_load_model_from_hf_folder(tmp_path: Path) -> None:
