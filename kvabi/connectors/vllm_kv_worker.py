@@ -33,7 +33,7 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
-NULL_BLOCK = 0  # vLLM's placeholder block (kvabi/interop/vllm_cache.py; vllm not imported here)
+from kvabi.interop.vllm_cache import NULL_BLOCK  # torch only: vllm is imported later, in _start
 
 ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine in this process: its cache is reachable

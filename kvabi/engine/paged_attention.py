@@ -69,7 +69,7 @@ class LayerKV:
     group_ids: tuple[int, ...]
     is_owner: tuple[bool, ...]
     block_size: int
-    is_mla: tuple[bool, ...] = ()
+    is_mla: tuple[bool, ...]
 
     @classmethod
     def of(cls, cache: KVCache) -> LayerKV:
@@ -141,7 +141,7 @@ class PagedAttention:
             self.kv.write(layer_id, ctx, k, v)
         if self._on_layer is not None:
             self._on_layer(layer_id)
-        if self.kv.is_mla and self.kv.is_mla[layer_id]:
+        if self.kv.is_mla[layer_id]:
             return self._attend_mla(layer_id, q, ctx)
         if self.backend != "reference" and not ctx.prefills:  # decodes only: rows 0..n-1
             return self._attend_decodes(layer_id, q, ctx)

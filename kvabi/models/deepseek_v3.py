@@ -22,7 +22,7 @@ from torch import nn
 from kvabi.models.attention import AttentionFn
 from kvabi.models.decoder import Decoder
 from kvabi.models.deepseek_v3_config import DeepseekV3Config
-from kvabi.models.experts import Experts
+from kvabi.models.experts import Experts, SiluMLP
 from kvabi.models.llama import RMSNorm
 from kvabi.models.rope import FrequencyRope, apply_rope, default_inv_freq
 
@@ -108,17 +108,6 @@ class MlaAttention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
-class DeepseekV3MLP(nn.Module):
-    def __init__(self, hidden_size: int, inner_size: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, inner_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, inner_size, bias=False)
-        self.down_proj = nn.Linear(inner_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class GroupLimitedRouter(nn.Module):
     """Sigmoid scores in float32; experts are chosen by score + `e_score_correction_bias`, only
     from the `topk_group` groups whose two best biased scores sum highest; they are weighted by
@@ -161,7 +150,7 @@ class DeepseekV3MoE(nn.Module):
         hidden, inner = config.hidden_size, config.moe_intermediate_size
         self.experts = Experts(config.n_routed_experts, hidden, inner, F.silu)
         self.gate = GroupLimitedRouter(config)
-        self.shared_experts = DeepseekV3MLP(hidden, inner * config.n_shared_experts)
+        self.shared_experts = SiluMLP(hidden, inner * config.n_shared_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, *self.gate(x)) + self.shared_experts(x)
@@ -177,7 +166,7 @@ class DeepseekV3DecoderLayer(nn.Module):
         self.mlp = (
             DeepseekV3MoE(config)
             if config.is_moe_layer(layer_id)
-            else DeepseekV3MLP(hidden, config.intermediate_size)
+            else SiluMLP(hidden, config.intermediate_size)
         )
 
     def forward(

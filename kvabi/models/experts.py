@@ -14,6 +14,20 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class SiluMLP(nn.Module):
+    """One gated MLP, `down(silu(gate(x)) * up(x))`, HF's names (Laguna's and DeepSeek-V3's
+    dense layers and shared experts)."""
+
+    def __init__(self, hidden_size: int, inner_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, inner_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, inner_size, bias=False)
+        self.down_proj = nn.Linear(inner_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
 class Experts(nn.Module):
     def __init__(
         self,

@@ -71,6 +71,29 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _geometry(config: ModelConfig | Gemma3Config) -> dict[str, Any]:
+    """The fields every HF decoder config spells alike: sizes and head counts."""
+    return {
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+    }
+
+
+def _vocabulary(config: ModelConfig | Gemma3Config, dtype: torch.dtype) -> dict[str, Any]:
+    """The vocabulary, special tokens and weight dtype, spelled alike by every HF config."""
+    return {
+        "vocab_size": config.vocab_size,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": _one_or_list(config.eos_token_ids),
+        "torch_dtype": _dtype_name(dtype),
+    }
+
+
 def _int_if_whole(x: float) -> int | float:
     return int(x) if float(x).is_integer() else x
 
@@ -85,12 +108,7 @@ def gemma3_hf_config(config: Gemma3Config, dtype: torch.dtype) -> dict[str, Any]
     return {
         "architectures": ["Gemma3ForCausalLM"],
         "model_type": "gemma3_text",
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
+        **_geometry(config),
         "hidden_activation": config.hidden_activation,
         "layer_types": list(config.layer_types),
         "sliding_window": config.sliding_window or 0,
@@ -103,11 +121,7 @@ def gemma3_hf_config(config: Gemma3Config, dtype: torch.dtype) -> dict[str, Any]
         "final_logit_softcapping": config.final_logit_softcapping,
         "attn_logit_softcapping": None,
         "attention_bias": False,
-        "vocab_size": config.vocab_size,
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "bos_token_id": config.bos_token_id,
-        "eos_token_id": _one_or_list(config.eos_token_ids),
-        "torch_dtype": _dtype_name(dtype),
+        **_vocabulary(config, dtype),
     }
 
 
@@ -126,22 +140,13 @@ def hf_config(config: ModelConfig | Gemma3Config, dtype: torch.dtype) -> dict[st
     raw: dict[str, Any] = {
         "architectures": [class_name],
         "model_type": model_type,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
+        **_geometry(config),
         "hidden_act": "silu",
         "rope_theta": config.rope_theta,
         "rope_parameters": _rope_parameters(config),
         "rms_norm_eps": config.rms_norm_eps,
         "max_position_embeddings": config.max_position_embeddings,
-        "vocab_size": config.vocab_size,
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "bos_token_id": config.bos_token_id,
-        "eos_token_id": _one_or_list(config.eos_token_ids),
-        "torch_dtype": _dtype_name(dtype),
+        **_vocabulary(config, dtype),
     }
     if model_type == "llama":
         raw.update(attention_bias=config.attention_bias, mlp_bias=config.mlp_bias)

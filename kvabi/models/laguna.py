@@ -14,7 +14,7 @@ from torch import nn
 
 from kvabi.models.attention import AttentionFn
 from kvabi.models.decoder import TypedLayerDecoder
-from kvabi.models.experts import Experts
+from kvabi.models.experts import Experts, SiluMLP
 from kvabi.models.laguna_config import FULL, SLIDING, LagunaConfig
 from kvabi.models.layer_rope import apply_partial_rope, partial_inv_freq
 from kvabi.models.llama import RMSNorm
@@ -55,17 +55,6 @@ class LagunaAttention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
-class LagunaMLP(nn.Module):
-    def __init__(self, hidden_size: int, inner_size: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, inner_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, inner_size, bias=False)
-        self.down_proj = nn.Linear(inner_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class LagunaRouter(nn.Module):
     """Sigmoid scores (of optionally tanh-capped logits); the top k of score + a learned
     per-expert bias are chosen, weighted by their scores renormalised to sum to 1."""
@@ -97,7 +86,7 @@ class LagunaSparseMoe(nn.Module):
         hidden = config.hidden_size
         self.experts = Experts(config.num_experts, hidden, config.moe_intermediate_size, F.silu)
         self.gate = LagunaRouter(config)
-        self.shared_experts = LagunaMLP(hidden, config.shared_expert_intermediate_size)
+        self.shared_experts = SiluMLP(hidden, config.shared_expert_intermediate_size)
         self.routed_scaling_factor = config.moe_routed_scaling_factor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,9 +103,7 @@ class LagunaDecoderLayer(nn.Module):
         self.self_attn = LagunaAttention(config, layer_id)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         sparse = config.mlp_layer_types[layer_id] == "sparse"
-        self.mlp = (
-            LagunaSparseMoe(config) if sparse else LagunaMLP(hidden, config.intermediate_size)
-        )
+        self.mlp = LagunaSparseMoe(config) if sparse else SiluMLP(hidden, config.intermediate_size)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn

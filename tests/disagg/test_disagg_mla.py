@@ -23,9 +23,9 @@ import torch
 from kvabi.abi.convert import convert
 from kvabi.cache.block_api import KVPayload
 from kvabi.engine.engine import EngineConfig, LLMEngine
-from kvabi.engine.sampling_params import SamplingParams
 from kvabi.models import load_model
 from tests.disagg.processes import Instance, start_all, through_router, tiny_args
+from tests.disagg.tiny_peers import greedy
 from tests.models.test_registry import _write_tokenizer as write_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -82,22 +82,12 @@ def routed(prefill: Instance, decode: Instance) -> httpx.Response:
     return through_router([prefill], [decode], send)
 
 
-def greedy(engine: LLMEngine, prompt: list[int]) -> list[int]:
-    params = SamplingParams(max_tokens=NUM_NEW, temperature=0, ignore_eos=True)
-    engine.add_request(prompt, params)
-    tokens: list[int] = []
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens += out.outputs[0].token_ids
-    return tokens
-
-
 def fp8_reference(folder: str, prompt: list[int]) -> list[int]:
     """An fp8_ds_mla engine's greedy tokens after importing a vllm-mla engine's prompt KV,
     converted to the fp8 engine's records."""
     loaded = load_model(folder, dtype="fp32", progress=False)
     source = LLMEngine(loaded, EngineConfig(block_size=BLOCK, kv_layout="nhd"))
-    greedy(source, prompt)
+    greedy(source, prompt, NUM_NEW)
     exported = source.cache.export(prompt, None)  # the prompt's full blocks, [c_kv | k_pe] fp32
     target = LLMEngine(loaded, EngineConfig(block_size=BLOCK, kv_layout=FP8))
     desc = target.info.descriptor
@@ -106,7 +96,7 @@ def fp8_reference(folder: str, prompt: list[int]) -> list[int]:
     payload = KVPayload(0, exported.token_ids, exported.block_hashes, records)
     placed = target.cache.import_blocks(prompt, None, payload)
     assert placed.num_cached_tokens == len(prompt) // BLOCK * BLOCK
-    tokens = greedy(target, prompt)
+    tokens = greedy(target, prompt, NUM_NEW)
     assert target.cache_stats()["prefix_hit_tokens"] == placed.num_cached_tokens
     return tokens
 

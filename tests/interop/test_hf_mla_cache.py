@@ -22,7 +22,6 @@ from kvabi.abi.convert import convert
 from kvabi.abi.presets import preset_descriptor
 from kvabi.cache.block_api import FetchRequest
 from kvabi.engine.engine import EngineConfig, LLMEngine, model_spec
-from kvabi.engine.sampling_params import SamplingParams
 from kvabi.interop.errors import InteropError, ModelMismatchError
 from kvabi.interop.foreign_prefill import HFPrefillProvider
 from kvabi.interop.hf_cache import (
@@ -33,6 +32,7 @@ from kvabi.interop.hf_cache import (
 )
 from kvabi.interop.model_spec import model_spec_from_hf_config, state_dict_fingerprint
 from kvabi.models import load_model
+from tests.disagg.tiny_peers import greedy
 from tests.models import test_deepseek_v3
 from tests.models.hf_reference import hf_greedy
 from tests.models.test_registry import _write_tokenizer as write_tokenizer
@@ -67,16 +67,6 @@ class Served:
 @pytest.fixture(scope="module", params=sorted(test_deepseek_v3.CONFIGS))
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Served:
     return Served(request.param, tmp_path_factory.mktemp(request.param))
-
-
-def greedy(engine: LLMEngine, prompt: list[int]) -> list[int]:
-    params = SamplingParams(max_tokens=NUM_NEW, temperature=0, ignore_eos=True)
-    engine.add_request(prompt, params)
-    tokens: list[int] = []
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens += out.outputs[0].token_ids
-    return tokens
 
 
 @torch.no_grad()
@@ -124,7 +114,7 @@ def test_export_is_the_cache(served: Served) -> None:
 def test_engine_prefill_continues_in_hf(served: Served) -> None:
     engine = served.engine()
     prompt = served.prompt.tolist()
-    assert greedy(engine, prompt) == served.want  # the engine alone
+    assert greedy(engine, prompt, NUM_NEW) == served.want  # the engine alone
     payload = engine.cache.export(prompt, None)  # [c_kv | k_pe] of the 16 full-block tokens
     n = len(payload.token_ids)
     assert n == PROMPT_LEN - 1 and payload.cache.desc.layout.name == "vllm-mla"
@@ -144,7 +134,7 @@ def test_hf_prefill_continues_in_engine(served: Served) -> None:
     engine = served.engine()
     placed = engine.cache.import_blocks(prompt, None, payload)
     assert placed.num_cached_tokens == PROMPT_LEN - 1
-    assert greedy(engine, prompt) == served.want
+    assert greedy(engine, prompt, NUM_NEW) == served.want
     assert engine.cache_stats()["prefix_hit_tokens"] == PROMPT_LEN - 1  # HF's blocks were used
 
 
