@@ -13,6 +13,15 @@ from dataclasses import dataclass, field, fields, replace
 
 from kvabi.abi.axes import tile_product
 from kvabi.abi.errors import DescriptorError
+from kvabi.abi.json_values import (
+    LAYER_FIELD_TYPES,
+    LAYOUT_FIELD_TYPES,
+    json_bool,
+    json_int,
+    json_object,
+    json_str,
+    typed_fields,
+)
 from kvabi.abi.layout import (  # noqa: F401 - re-exported: the descriptor's public names
     AXIS_LETTERS,
     DTYPES,
@@ -263,21 +272,25 @@ class Descriptor(_CachedHash):
 
     @classmethod
     def from_dict(cls, data: dict) -> Descriptor:
-        """Parse, refusing an unknown major version and ignoring unknown fields of a known one."""
+        """Parse, refusing an unknown major version and ignoring unknown fields of a known one.
+
+        Every value must have its JSON type (docs/ABI.md 2.1): `true` is not an integer, nor
+        is `4.0`; absent optional fields take their defaults."""
         try:
-            version = parse_version(str(data["kvabi"]))
-            m, lay = data["model"], data["layout"]
+            version = parse_version(json_str(json_object(data, "descriptor")["kvabi"], "kvabi"))
+            m = json_object(data["model"], "model")
+            layers = m["layers"]
+            if not isinstance(layers, list):
+                raise DescriptorError(f"model.layers: expected a JSON list, got {layers!r}")
             model = ModelSpec(
-                layers=tuple(_layer_from_json(x) for x in m["layers"]),
-                fingerprint=str(m["fingerprint"]),
-                k_post_rope=bool(m["k_post_rope"]),
-                rope_pairing=m["rope_pairing"],
-                rope_dim=int(m["rope_dim"]),
+                layers=tuple(_layer_from_json(json_object(x, "layer")) for x in layers),
+                fingerprint=json_str(m["fingerprint"], "model.fingerprint"),
+                k_post_rope=json_bool(m["k_post_rope"], "model.k_post_rope"),
+                rope_pairing=json_str(m["rope_pairing"], "model.rope_pairing"),
+                rope_dim=json_int(m["rope_dim"], "model.rope_dim"),
             )
-            known = Layout.__dataclass_fields__
-            layout = Layout(
-                **{k: (tuple(v) if k == "scales" else v) for k, v in lay.items() if k in known}
-            )
+            lay = json_object(data["layout"], "layout")
+            layout = Layout(**typed_fields(lay, LAYOUT_FIELD_TYPES, "layout"))
             return cls(model, layout, version)
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             if isinstance(exc, DescriptorError):
@@ -413,16 +426,15 @@ def _layer_json(layer: LayerSpec) -> dict:
 
 
 def _layer_from_json(data: dict) -> LayerSpec:
-    known = LayerSpec.__dataclass_fields__
-    fields_ = {k: v for k, v in data.items() if k in known}
+    fields_ = typed_fields(data, LAYER_FIELD_TYPES, "layer")
     if fields_.get("kind") == SWA:
-        if int(fields_.get("window", 0)) < 1:
+        if fields_.get("window", 0) < 1:
             raise field_error("window", "a swa layer needs window >= 1")
         fields_["kind"] = ATTN
     elif fields_.get("kind") == ATTN and fields_.get("window"):
         raise field_error("window", "an attn layer has no window (a windowed layer is swa)")
     elif fields_.get("kind") == DSA:
-        if int(fields_.get("indexer_dim", 0)) < 1:
+        if fields_.get("indexer_dim", 0) < 1:
             raise field_error("indexer_dim", "a dsa layer needs indexer_dim >= 1")
         fields_["kind"] = MLA
     elif "indexer_dim" in fields_:

@@ -106,6 +106,12 @@ class Layout:
             raise field_error("v_axes", "K and V must agree on whether layers share a buffer")
         if self.planes == "concat":
             raise field_error("v_axes", "planes packed into C (concat) share one order")
+        if sorted(plain_letters(self.v_axes)) != sorted(plain_letters(self.axes)):
+            raise field_error(
+                "v_axes",
+                f"{self.v_axes!r} has other axes than {self.axes!r} (V's order is a "
+                "permutation of K's axes)",
+            )
         if self.planes == "axis":
             k_prefix, _, k_rest = self.axes.partition("K")
             v_prefix, _, v_rest = self.v_axes.partition("K")

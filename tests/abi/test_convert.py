@@ -149,3 +149,21 @@ def test_incompatible_and_misshapen_input_is_refused():
         CacheBuffers(src.desc, bad)
     with pytest.raises(ShapeError, match="dtype|bfloat16"):
         CacheBuffers(src.desc, {"0": src.tensors["0"].float()})
+
+
+def test_convert_keeps_the_tp_shard_and_reshard_changes_it():
+    """docs/ABI.md 3.4: `convert` refuses any other shard (rank or size); `reshard` does that."""
+    model = ModelSpec((LayerSpec(ATTN, 4, 16, 16),), "m")
+    full = _filled(preset_descriptor("vllm-flash-attn", model), 2)
+    shards = reshard([full], full.desc.with_layout(tp_size=2))
+    for src, dst in (
+        (full, full.desc.with_layout(tp_size=2)),  # 1 -> 2
+        (shards[0], full.desc),  # 2 -> 1
+        (shards[0], shards[1].desc),  # rank 0 -> rank 1
+    ):
+        with pytest.raises(IncompatibleError, match="use reshard"):
+            convert(src, dst)
+    # the same shard converts (here to another layout), heads untouched
+    hnd = preset_descriptor("vllm-flashinfer-hnd", model, block_size=16, tp_rank=1, tp_size=2)
+    moved = convert(shards[1], hnd)
+    assert torch.equal(read_planes(moved, 0, 32)["k"], read_planes(full, 0, 32)["k"][:, 2:])
