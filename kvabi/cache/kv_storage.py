@@ -5,6 +5,9 @@ The layout is data: any attention preset works (e.g. `vllm-flash-attn` = NHD blo
 `[block, slot, head, dim]`, so nothing here knows the physical axis order. An MLA model's
 layers (DeepSeek) keep their latent (c_kv) as `k` and their RoPE part (k_pe) as `v`, side by
 side in one buffer (`vllm-mla`: 576 values per token), whose joint view the attention reads.
+DeepSeek V3.2's layers also keep their indexer keys (the sidecar plane `indexer`) in fp8 with a
+scale per token, as vLLM stores them (`kvabi/abi/indexer_record.py`); whole-block reads and
+writes (prefix cache, tiers, containers) carry them with the latents.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from kvabi.abi.buffers import CacheBuffers, group_views
 from kvabi.abi.convert import convert
 from kvabi.abi.descriptor import ATTN, MLA, Descriptor
 from kvabi.abi.ds_mla_record import ds_mla_records_to_latent_rope, encode_records
+from kvabi.abi.indexer_record import SCALE_BYTES, encode_tokens, token_views
 
 DS_MLA = "fp8_ds_mla"
 
@@ -28,12 +32,6 @@ class KVStorage:
             raise ValueError(
                 f"kv layout: the engine caches attention (K/V) or MLA layers, one kind per "
                 f"storage; got {sorted(kinds)}"
-            )
-        sidecars = [p.name for x in desc.model.layers for p in x.sidecar_planes]
-        if sidecars:  # its blocks would carry sidecar bytes nothing wrote: refuse, not zeros
-            raise ValueError(
-                f"kv layout: the engine does not keep sidecar planes ({sorted(set(sidecars))}, "
-                "DeepSeek V3.2's indexer) in its paged cache yet"
             )
         quant_ok = desc.layout.quant == "none" or (kinds == {MLA} and desc.layout.quant == DS_MLA)
         if not quant_ok or not desc.layout.is_paged:
@@ -48,7 +46,11 @@ class KVStorage:
         self.v: list[torch.Tensor] = []
         # MLA: per layer [num_blocks, block_size, 1, latent + rope], k its latent, v its rope
         self.joint: list[torch.Tensor] = []
+        # DeepSeek V3.2: per layer, its indexer keys' token views (codes [num_blocks,
+        # block_size, D] u8, scale bytes [num_blocks, block_size, 4]) in vLLM's block layout
+        self.indexers: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         for layer_id in range(desc.model.num_layers):
+            self.indexers.append(self._indexer_views(layer_id))
             groups = group_views(desc, self.buffers.tensors, layer_id)
             if desc.model.layers[layer_id].kind == MLA:
                 self._add_mla(layer_id, groups)
@@ -74,6 +76,43 @@ class KVStorage:
             return
         self.k.append(joint[..., :latent])
         self.v.append(joint[..., latent:])
+
+    def _indexer_views(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        planes = self.desc.model.layers[layer_id].sidecar_planes
+        if not planes:
+            return None
+        (plane,) = planes  # ABI 1.3: the indexer is the one sidecar plane
+        return token_views(self.buffers.tensors[f"{layer_id}.{plane.name}"], plane.width)
+
+    @property
+    def has_indexer(self) -> bool:
+        """Whether its layers keep DeepSeek V3.2's indexer keys (the sidecar plane)."""
+        return any(x is not None for x in self.indexers)
+
+    def write_indexer(
+        self, layer_id: int, block_ids: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor
+    ) -> None:
+        """Store new tokens' indexer keys [T, D] at (block_ids[t], slots[t]) as vLLM stores
+        them: D fp8 e4m3 codes and a float32 power-of-two scale per token."""
+        codes, scale_bytes = self._indexer(layer_id)
+        q, scales = encode_tokens(keys)  # [T, D] u8, [T] float32
+        codes[block_ids, slots] = q
+        scale_bytes[block_ids, slots] = scales.view(torch.uint8).view(-1, SCALE_BYTES)
+
+    def indexer_keys(
+        self, layer_id: int, block_table: torch.Tensor, num_tokens: int
+    ) -> torch.Tensor:
+        """A sequence's first `num_tokens` indexer keys, dequantised: float32 [n, D]."""
+        codes, scale_bytes = self._indexer(layer_id)
+        q = codes[block_table].flatten(0, 1)[:num_tokens]  # [n, D] u8
+        scales = scale_bytes[block_table].flatten(0, 1)[:num_tokens].contiguous()
+        return q.view(torch.float8_e4m3fn).float() * scales.view(torch.float32)
+
+    def _indexer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        views = self.indexers[layer_id]
+        if views is None:
+            raise ValueError(f"kv layout: layer {layer_id} has no indexer plane")
+        return views
 
     @property
     def is_records(self) -> bool:

@@ -14,7 +14,9 @@ its own block tables and so its own `StepContext`; a sliding group's context hol
 blocks its window reaches (`SeqSlice.first_key` on) and masks keys the window excludes. Layers
 that share an earlier layer's KV (k = v = None) read that layer's views and store nothing.
 An MLA layer (DeepSeek; k = c_kv, v = k_pe, q absorbed: `AttentionFn`) stores its latents side
-by side and attends over [c_kv | k_pe] with c_kv as the values (`_attend_mla`).
+by side and attends over [c_kv | k_pe] with c_kv as the values (`_attend_mla`); a DeepSeek
+V3.2 layer (`index`: its lightning indexer) also stores its indexer keys and attends only to the
+latents they pick (`kvabi/engine/sparse_mla.py`).
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvabi.abi.descriptor import MLA
+from kvabi.abi.descriptor import MLA, LayerSpec
 from kvabi.cache.kv_cache import KVCache
 from kvabi.cache.kv_storage import KVStorage
+from kvabi.engine.sparse_mla import attend_sparse_mla
 from kvabi.models.attention import causal_mask
 from kvabi.models.cpu_kernels import CpuKernels, cpu_kernels
+from kvabi.models.sparse_attention import IndexerQuery
 
 BACKENDS = ("native", "batched", "reference")
 
@@ -89,6 +93,21 @@ class LayerKV:
         latent + rope], in `dtype` (records dequantised)."""
         return self.storages[layer_id].mla_keys(self.slots[layer_id], table, dtype)
 
+    def spec(self, layer_id: int) -> LayerSpec:
+        """The layer's spec in its storage's descriptor."""
+        return self.storages[layer_id].desc.model.layers[self.slots[layer_id]]
+
+    def write_indexer(self, layer_id: int, ctx: StepContext, keys: torch.Tensor) -> None:
+        """Store new tokens' indexer keys [T, D] (DeepSeek V3.2) at their slots."""
+        storage = self.storages[layer_id]
+        storage.write_indexer(self.slots[layer_id], ctx.slot_blocks, ctx.slot_offsets, keys)
+
+    def indexer_keys(self, layer_id: int, s: SeqSlice) -> torch.Tensor:
+        """A sequence's cached indexer keys, float32 [context_len, D] (dequantised)."""
+        return self.storages[layer_id].indexer_keys(
+            self.slots[layer_id], s.block_table, s.context_len
+        )
+
     def views(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V, each [block, slot, heads, dim]."""
         storage, slot = self.storages[layer_id], self.slots[layer_id]
@@ -131,16 +150,32 @@ class PagedAttention:
         finally:
             self._ctxs, self._on_layer = (), None
 
+    @property
+    def keeps_indexer(self) -> bool:
+        """Whether it keeps DeepSeek V3.2's indexer keys (its cache has the sidecar plane), as
+        a `SparseAttentionFn`."""
+        return any(storage.has_indexer for storage in self.kv.storages)
+
     def __call__(
-        self, layer_id: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        *,
+        index: IndexerQuery | None = None,
     ) -> torch.Tensor:
         assert self._ctxs, "attention called outside `with attention.step(ctxs)`"
         ctx = self._ctxs[self.kv.group_ids[layer_id]]
         if self.kv.is_owner[layer_id]:
             assert k is not None and v is not None
             self.kv.write(layer_id, ctx, k, v)
+            if index is not None:  # with the latents, before anyone may read the layer
+                self.kv.write_indexer(layer_id, ctx, index.keys)
         if self._on_layer is not None:
             self._on_layer(layer_id)
+        if index is not None:
+            return attend_sparse_mla(self.kv, layer_id, q, ctx, index)
         if self.kv.is_mla[layer_id]:
             return self._attend_mla(layer_id, q, ctx)
         if self.backend != "reference" and not ctx.prefills:  # decodes only: rows 0..n-1
@@ -232,8 +267,7 @@ class PagedAttention:
         key head [latent | rope] per token, its latent as the value: SDPA per prefill chunk;
         the step's decodes in one padded SDPA call over the dequantised keys, or (native
         backend, fp8_ds_mla records) the C++ kernel reading the records in place."""
-        spec = self.kv.storages[layer_id].desc.model.layers[self.kv.slots[layer_id]]
-        latent = spec.latent_dim
+        latent = self.kv.spec(layer_id).latent_dim
         out = q.new_empty((*q.shape[:-1], latent))
         prefills = ctx.seqs if self.backend == "reference" else ctx.prefills
         for s in prefills:

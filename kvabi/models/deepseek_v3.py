@@ -90,10 +90,10 @@ class MlaAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         attn: AttentionFn,
-        **attn_kwargs: torch.Tensor,
+        **attn_kwargs: object,
     ) -> torch.Tensor:
         """MLA over query projections q [T, heads * qk_head_dim]; `attn_kwargs` go to `attn`
-        (DeepSeek V3.2's `keep` mask)."""
+        (DeepSeek V3.2's `index`, an `IndexerQuery`)."""
         num_tokens = x.shape[0]
         q = q.view(num_tokens, self.num_heads, -1)  # [T, heads, qk_head_dim]
         q_nope, q_pe = q.split(self.split_q, dim=-1)

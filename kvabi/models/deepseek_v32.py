@@ -21,7 +21,7 @@ from torch import nn
 from kvabi.models.deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3Model, MlaAttention
 from kvabi.models.deepseek_v3_config import DeepseekV3Config
 from kvabi.models.rope import apply_rope
-from kvabi.models.sparse_attention import SparseAttentionFn, require_sparse
+from kvabi.models.sparse_attention import IndexerQuery, SparseAttentionFn, require_sparse
 
 INDEXER_NORM_EPS = 1e-6  # HF's k_norm: nn.LayerNorm(index_head_dim, eps=1e-6)
 
@@ -44,22 +44,23 @@ class Indexer(nn.Module):
         k = self.k_norm(self.wk(x))[:, None, :]  # [T, 1, D]
         return self._rope(k, cos, sin)[:, 0]
 
-    def select(
-        self,
-        x: torch.Tensor,
-        q_resid: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        keys: torch.Tensor,
-    ) -> torch.Tensor:
-        """Bool [T, L], True at the keys query t may attend: its top-k earlier keys (the query
-        at position L - T + t). keys: every cached indexer key [L, D], these tokens' last."""
-        num_tokens, num_keys = x.shape[0], keys.shape[0]
+    def query(
+        self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> IndexerQuery:
+        """The indexer over tokens x [T, hidden] (q_resid: MLA's [T, q_lora_rank])."""
+        num_tokens = x.shape[0]
         q = self._rope(self.wq_b(q_resid).view(num_tokens, self.num_heads, -1), cos, sin)
+        weights = self.weights_proj(x).float() * self.num_heads**-0.5  # [T, H]
+        return IndexerQuery(self.key(x, cos, sin), q, weights, self.select)
+
+    def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Bool [T, L], True at the keys query t may attend: its top-k earlier keys (the query
+        at position L - T + t). q [T, H, D], weights [T, H], keys: a sequence's cached indexer
+        keys [L, D], these queries' tokens' last."""
+        num_tokens, num_keys = q.shape[0], keys.shape[0]
         # [1, T, H, D] @ [1, 1, D, L], as HF (batch 1), so that equal inputs round alike
         scores = torch.matmul(q[None].float(), keys[None].transpose(-1, -2).float()[:, None])
         scores = F.relu(scores * self.head_dim**-0.5)  # [1, T, H, L]
-        weights = self.weights_proj(x).float() * self.num_heads**-0.5  # [T, H]
         index = torch.matmul(weights[None, :, None, :], scores).squeeze(-2)  # [1, T, L]
         query_pos = torch.arange(num_keys - num_tokens, num_keys)[:, None]
         causal = torch.arange(num_keys)[None, :] <= query_pos  # [T, L]
@@ -83,9 +84,8 @@ class SparseMlaAttention(MlaAttention):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: SparseAttentionFn
     ) -> torch.Tensor:
         q_resid = self.q_a_layernorm(self.q_a_proj(x))  # [T, q_lora_rank]
-        keys = attn.update_indexer(self.layer_id, self.indexer.key(x, cos, sin))  # [L, D]
-        keep = self.indexer.select(x, q_resid, cos, sin, keys)
-        return self.attend(x, self.q_b_proj(q_resid), cos, sin, attn, keep=keep)
+        index = self.indexer.query(x, q_resid, cos, sin)
+        return self.attend(x, self.q_b_proj(q_resid), cos, sin, attn, index=index)
 
 
 class DeepseekV32DecoderLayer(DeepseekV3DecoderLayer):
@@ -95,8 +95,9 @@ class DeepseekV32DecoderLayer(DeepseekV3DecoderLayer):
 
 
 class DeepseekV32Model(DeepseekV3Model):
-    """As `DeepseekV3Model`; `attn` must also keep the indexer keys (`SparseAttentionFn`,
-    e.g. `ContiguousSparseAttention`): a plain `AttentionFn` is refused."""
+    """As `DeepseekV3Model`; `attn` must also keep the indexer keys (`SparseAttentionFn`:
+    `ContiguousSparseAttention`, or the engine's `PagedAttention` over a cache with the
+    indexer plane): a plain `AttentionFn` is refused."""
 
     def __init__(self, config: DeepseekV3Config) -> None:
         super().__init__(config)

@@ -42,8 +42,10 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return hf, load_model(folder, progress=False), prompts, want
 
 
-def _greedy_all(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(max_tokens=NUM_NEW, temperature=0, ignore_eos=True)
+def _greedy_all(
+    engine: LLMEngine, prompts: list[list[int]], num_new: int = NUM_NEW
+) -> list[list[int]]:
+    params = SamplingParams(max_tokens=num_new, temperature=0, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
     got: dict[str, list[int]] = {i: [] for i in ids}
     while engine.has_unfinished():

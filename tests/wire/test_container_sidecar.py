@@ -8,7 +8,6 @@ import io
 import struct
 
 import pytest
-import torch
 
 from kvabi.abi.block_hash import hash_blocks, root_hash
 from kvabi.abi.buffers import CacheBuffers
@@ -104,11 +103,3 @@ def test_a_tier_entry_of_a_model_that_differs_in_the_plane_is_refused(written, r
     entry, key, _ = _entry(written)
     with pytest.raises(IncompatibleError, match="plane 'indexer'"):
         BlockCodec(reader).decode(entry, BlockKey(key.block_hash, key.token_ids))
-
-
-def test_the_paged_engine_refuses_a_sidecar_it_would_not_fill():
-    from kvabi.cache.kv_storage import KVStorage
-
-    with pytest.raises(ValueError, match="sidecar planes"):
-        KVStorage(V32, 4)
-    assert torch.equal(KVStorage(V3, 4).buffers.tensors["0"], torch.zeros(4, 4, 1, 24))
