@@ -70,7 +70,7 @@ def page_descriptor(model: ModelSpec, ns: OffloadNamespace, form: str = "packed"
         raise UnsupportedTypeError(f"page form {form!r}: one of packed, split")
     if ns.dtype not in DTYPES:
         raise UnsupportedTypeError(f"dtype {ns.dtype!r}: kvabi reads {sorted(DTYPES)}")
-    layers = owner_layers_checked(model)
+    layers = _check_full_attention(model)
     if len(group.layer_names) != len(layers):
         raise ModelMismatchError(
             f"the namespace's group has {len(group.layer_names)} layers, the model {len(layers)}"
@@ -80,7 +80,7 @@ def page_descriptor(model: ModelSpec, ns: OffloadNamespace, form: str = "packed"
     )
 
 
-def owner_layers_checked(model: ModelSpec) -> list[int]:
+def _check_full_attention(model: ModelSpec) -> list[int]:
     """The model's layers, all full attention with KV of their own (one KV cache group)."""
     if any(x.kind != ATTN or x.window or not x.has_kv for x in model.layers):
         raise UnsupportedTypeError(

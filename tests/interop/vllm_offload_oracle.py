@@ -21,6 +21,7 @@ The job file holds a list of jobs (one start-up of vLLM's imports); the result, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -36,15 +37,16 @@ import torch  # noqa: E402
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def _config(job: dict[str, Any], row_bytes: int) -> Any:
+def _config(job: dict[str, Any], row_bytes: int, num_chunks: int) -> Any:
     from vllm.v1.kv_offload import config as c
 
     tp = job["tp_size"]
+    chunk = -(-row_bytes * tp * job["blocks_per_chunk"] // 4096) * 4096  # as the spec rounds
     return c.OffloadingConfig(
         groups=(c.OffloadingGroupConfig(job["block_size"], tuple(job["layer_names"]), 0),),
         worker_kv_bytes_per_block=row_bytes,
         enable_kv_cache_events=False,
-        extra_config={"cpu_bytes_to_use": 1 << 26},
+        extra_config={"cpu_bytes_to_use": chunk * num_chunks},  # a /dev/shm file this big
         engine_id=f"oracle-{uuid.uuid4().hex[:8]}",
         model=c.OffloadingModelConfig(job["model_name"], job["dtype"]),
         cache=c.OffloadingCacheConfig(job["tokens_per_hash"], job["blocks_per_chunk"]),
@@ -80,7 +82,7 @@ def _page_bytes(t: torch.Tensor) -> np.ndarray:
 class Ranks:
     """Every TP rank's cache tensors, mappings and copy plans, over one shared region."""
 
-    def __init__(self, job: dict[str, Any], num_blocks: int):
+    def __init__(self, job: dict[str, Any], num_blocks: int, num_chunks: int):
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading import canonical_mapping as cm
         from vllm.v1.kv_cache_interface import FullAttentionSpec
         from vllm.v1.kv_offload.base import CanonicalKVCacheRef
@@ -95,7 +97,7 @@ class Ranks:
             head_size=job["head_size"], dtype=DTYPES[job["dtype"]],
         )  # fmt: skip
         num_layers = len(job["layer_names"])
-        self.config = _config(job, spec_l.page_size_bytes * num_layers)
+        self.config = _config(job, spec_l.page_size_bytes * num_layers, num_chunks)
         self.spec = CPUOffloadingSpec(self.config)
         self.tensors = [[_local(job, num_blocks, self.heads) for _ in range(num_layers)]
                         for _ in range(tp)]  # fmt: skip
@@ -122,6 +124,14 @@ class Ranks:
             self.config.engine_id, self.spec.num_chunks, None,
             self.spec.kv_bytes_per_chunk, self.spec.cpu_page_size_per_worker,
         )  # fmt: skip
+
+    def close(self) -> None:
+        """Unlink the shared region's /dev/shm file (vLLM's creator does it on cleanup)."""
+        path = self.host.mmap_path
+        for region in [*self.regions, self.host]:
+            region.cleanup()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
     def copy(self, num_chunks: int, to_host: bool) -> None:
         """What the worker's swap kernel does: each plan fragment, each block of each chunk."""
@@ -198,25 +208,31 @@ def _ranks_to_full(ranks: Ranks) -> torch.Tensor:
 
 def store(job: dict[str, Any]) -> dict[str, Any]:
     full = torch.load(job["kv_path"])
-    ranks = Ranks(job, full.shape[1])
-    _full_to_ranks(ranks, full)
     num_chunks = len(_chunk_hashes(job))
-    ranks.copy(num_chunks, to_host=True)
-    tier = ranks.tier()
-    paths = _transfer(tier, _keys(job), load=False)
-    tier.shutdown()
+    ranks = Ranks(job, full.shape[1], num_chunks)
+    try:
+        _full_to_ranks(ranks, full)
+        ranks.copy(num_chunks, to_host=True)
+        tier = ranks.tier()
+        paths = _transfer(tier, _keys(job), load=False)
+        tier.shutdown()
+    finally:
+        ranks.close()
     return {"paths": paths, "config_path": tier.file_mapper.get_config_file_path(),
             "row_bytes": ranks.spec.kv_bytes_per_chunk}  # fmt: skip
 
 
 def load(job: dict[str, Any]) -> dict[str, Any]:
     num_chunks = len(_chunk_hashes(job))
-    ranks = Ranks(job, num_chunks * job["blocks_per_chunk"])
-    tier = ranks.tier()
-    paths = _transfer(tier, _keys(job), load=True)
-    tier.shutdown()
-    ranks.copy(num_chunks, to_host=False)
-    torch.save(_ranks_to_full(ranks), job["out_kv_path"])
+    ranks = Ranks(job, num_chunks * job["blocks_per_chunk"], num_chunks)
+    try:
+        tier = ranks.tier()
+        paths = _transfer(tier, _keys(job), load=True)
+        tier.shutdown()
+        ranks.copy(num_chunks, to_host=False)
+        torch.save(_ranks_to_full(ranks), job["out_kv_path"])
+    finally:
+        ranks.close()
     return {"paths": paths}
 
 
