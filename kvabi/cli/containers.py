@@ -13,30 +13,39 @@ import argparse
 
 from kvabi.abi.buffers import owner_layers
 from kvabi.abi.catalog import catalog_vocab_size
-from kvabi.abi.descriptor import Descriptor
+from kvabi.abi.descriptor import Descriptor, ModelSpec
 from kvabi.abi.errors import KvabiError
 from kvabi.abi.presets import PRESETS, preset_descriptor
+from kvabi.cli import vllm_offload_cli
+from kvabi.cli.peer_formats import detect_peer_format
 from kvabi.wire.container import Container, check_token_ids
 
 MAX_BLOCK_SIZE = 1024
 
 
 def add_container_commands(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("inspect", help="show a container and verify its checksums")
+    p = sub.add_parser(
+        "inspect", help="show a container (or a peer's KV folder) and verify its checksums"
+    )
     p.add_argument("file")
     p.add_argument("--model", help="check the token ids against this model's vocabulary")
     p.set_defaults(fn=cmd_inspect)
     p = sub.add_parser("convert", help="convert a container to another engine's layout")
     p.add_argument("input")
     p.add_argument("output")
-    p.add_argument("--to", required=True, choices=sorted(PRESETS), metavar="PRESET")
+    targets = sorted(PRESETS) + [vllm_offload_cli.FORMAT]
+    p.add_argument("--to", required=True, choices=targets, metavar="PRESET")
     p.add_argument("--block-size", type=int)
     p.add_argument("--dtype")
     p.add_argument("--model", help="check the token ids against this model's vocabulary")
+    vllm_offload_cli.add_offload_args(p)
     p.set_defaults(fn=cmd_convert)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    peer = detect_peer_format(args.file)
+    if peer is not None:
+        return peer.inspect(args)
     c = _read(args.file, args.model)
     desc = c.desc
     print(f"descriptor: {desc}")
@@ -61,8 +70,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from kvabi.abi.convert import convert
     from kvabi.wire import write_container
 
+    peer = detect_peer_format(args.input)
+    if peer is not None:
+        return peer.convert_from(args)
     c = _read(args.input, args.model)
-    dst_desc = _destination(c, args.to, args.block_size, args.dtype)
+    if args.to == vllm_offload_cli.FORMAT:
+        return vllm_offload_cli.convert_to(args, c)
+    dst_desc = destination_for(c.desc.model, args.to, args.block_size, args.dtype, len(c.token_ids))
     out = convert(c.cache, dst_desc, num_tokens=len(c.token_ids))
     write_container(args.output, out, list(c.token_ids), list(c.block_hashes))
     print(
@@ -72,18 +86,21 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _destination(
-    c: Container, preset: str, block_size: int | None, dtype: str | None
+def destination_for(
+    model: ModelSpec, preset: str, block_size: int | None, dtype: str | None, num_tokens: int
 ) -> Descriptor:
+    """The descriptor a conversion of `num_tokens` tokens writes (`--to` and its options)."""
+    if preset == vllm_offload_cli.FORMAT:
+        raise KvabiError(f"--to {preset}: an offload folder is read into a preset's layout")
     if block_size is not None:
-        limit = max(len(c.token_ids), MAX_BLOCK_SIZE)
+        limit = max(num_tokens, MAX_BLOCK_SIZE)
         if not 1 <= block_size <= limit:
             raise KvabiError(
-                f"--block-size {block_size}: must be in [1, {limit}] for {len(c.token_ids)} "
+                f"--block-size {block_size}: must be in [1, {limit}] for {num_tokens} "
                 f"tokens (a block past the tokens held is only padding)"
             )
     overrides = {k: v for k, v in (("block_size", block_size), ("dtype", dtype)) if v is not None}
-    desc = preset_descriptor(preset, c.desc.model, **overrides)
+    desc = preset_descriptor(preset, model, **overrides)
     if desc.layout.is_cross_layer:
         raise KvabiError(
             f"{preset} is a cross-layer pool layout; containers hold one "

@@ -27,3 +27,16 @@ class UnsupportedTypeError(InteropError):
 
 class ModelMismatchError(InteropError):
     """State or cache geometry (layer count, row size, heads) that disagrees with the model."""
+
+
+class OffloadNamespaceError(InteropError):
+    """A vLLM offload folder whose config.json does not hash to its name, or that is not the
+    namespace (model, dtype, block sizes, layers, format) the caller expects."""
+
+
+class OffloadSizeError(InteropError):
+    """A vLLM offload file whose size is not the one its namespace and model give."""
+
+
+class OffloadMissingError(InteropError):
+    """A vLLM offload file (or folder) that is not there."""
