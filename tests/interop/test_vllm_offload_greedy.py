@@ -40,7 +40,7 @@ from kvabi.wire import read_container, write_container
 from tests.interop.test_vllm_offload_peer import ORACLE
 from tests.interop.vllm_marks import VLLM_MARKS
 
-pytestmark = VLLM_MARKS
+pytestmark = [*VLLM_MARKS, pytest.mark.big]  # 160 s of real vLLM runs: make big, .ci/run
 BS = 16  # vLLM's GPU block size, the offload files' block; vLLM CPU's own cache uses 128
 HELD = 384  # the prompt's tokens in whole 128-token blocks: what vLLM caches and imports
 
