@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from lmcache.utils import EngineType
 from lmcache.v1.gpu_connector.kv_format import detect_format
-from lmcache.v1.kv_codec import AsymK16V8Codec, CodecHashes, ScaleScope
+from lmcache.v1.kv_codec import AsymK16V8Codec, CodecHashes, ScaleScope, dequantize_v_fp8
 
 IDENTITY = CodecHashes(
     model_id="smollm2-135m", tokenizer_hash="tok0", attention_backend="FLASH_ATTN",
@@ -32,7 +32,11 @@ def encode(seed: int, scope: str, dtype: str, out: str) -> None:
                        page_size=4, kv_head_count=2, head_dim=8)  # fmt: skip
     blob = codec.to_bytes(enc)
     Path(out + ".bin").write_bytes(blob)
-    dk, dv, _ = codec.decode(codec.from_bytes(blob), out_v_dtype=k.dtype)
+    # LMCache's decode dequantises the flat V, which fails for per-head scales; so V comes
+    # back as fp8 and LMCache's dequantize_v_fp8 runs on it in K's shape (head axis -2).
+    enc = codec.from_bytes(blob)
+    dk, vq, scales = codec.decode(enc)
+    dv = dequantize_v_fp8(vq.reshape(k.shape), scales, enc.scale_scope, out_dtype=k.dtype)
     torch.save({"k": k, "v": v, "dk": dk.reshape(k.shape), "dv": dv.reshape(v.shape)},
                out + ".pt")  # fmt: skip
 
