@@ -64,12 +64,19 @@ def blob_buffers(blob: EncodedBlob, fingerprint: str = "") -> CacheBuffers:
 def blob_from_buffers(
     cache: CacheBuffers, num_tokens: int, layer: int = 0, identity: dict[str, str] | None = None
 ) -> EncodedBlob:
-    """Layer `layer` of a kvabi cache as an LMCache AsymK16V8 blob (fp8 V, per-tensor scale)."""
+    """Layer `layer` of a kvabi cache as an LMCache AsymK16V8 blob (fp8 V, per-tensor scale).
+
+    K keeps an f16/bf16/f32 dtype (a quantised cache's K is written as bf16); `identity` sets
+    LMCache's identity strings (unknown keys are refused)."""
     src = cache.desc.model.layers[layer]
     if src.kind != ATTN or src.k_dim != src.v_dim:
         raise BlobShapeError(f"layer {layer} ({src.kind}): a blob holds attention K/V of one D")
     model = ModelSpec(layers=cache.desc.model.layers, fingerprint=cache.desc.model.fingerprint)
-    dtype = cache.desc.layout.dtype if cache.desc.layout.dtype in ("f16", "bf16") else "bf16"
+    unknown = set(identity or {}) - set(IDENTITY_KEYS)
+    if unknown:
+        raise BlobShapeError(f"identity keys {sorted(unknown)}: LMCache writes {IDENTITY_KEYS}")
+    stored = cache.desc.layout.dtype
+    dtype = stored if stored in ("f16", "bf16", "f32") else "bf16"  # quantised K: as bf16
     thc = Descriptor(model, Layout("THC", 0, dtype, planes="separate", name=LAYOUT_NAME))
     out = convert(cache, thc, num_tokens=num_tokens)
     k, v = out.tensors[f"{layer}.k"], out.tensors[f"{layer}.v"]  # [tokens, H, D]

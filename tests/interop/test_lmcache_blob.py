@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvabi.abi.buffers import CacheBuffers
+from kvabi.cli.main import main
 from kvabi.interop.errors import (
     BlobChecksumError,
     BlobDtypeError,
@@ -143,3 +144,25 @@ def test_other_kv_layout_is_refused():
     hnd = EncodedBlob(replace(blob.header, identity=pairs), blob.payload)
     with pytest.raises(BlobShapeError, match="HND"):
         blob_buffers(parse_blob(blob_bytes(hnd)))
+
+
+def test_unknown_identity_key_is_refused():
+    with pytest.raises(BlobShapeError, match="colour"):
+        blob_from_buffers(_cache(), NUM_TOKENS, 0, {"colour": "red"})
+
+
+def test_f32_k_stays_f32():
+    blob = parse_blob(blob_bytes(blob_from_buffers(_cache(torch.float32), NUM_TOKENS)))
+    assert blob.header.k_dtype_id == 4
+    assert torch.equal(blob_buffers(blob).tensors["0.k"], _cache(torch.float32).tensors["0.k"])
+
+
+def test_cli_inspect_blob_and_refuse_corrupt(tmp_path, capsys):
+    path = tmp_path / "kv.bin"
+    path.write_bytes(_blob())
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "model_id='m'" in out and "K 192 B  V 96 B  scales 4 B" in out
+    path.write_bytes(_blob()[:-3])
+    assert main(["inspect", str(path)]) == 1
+    assert "declares a 292 B payload" in capsys.readouterr().err
