@@ -16,7 +16,7 @@ from kvabi.abi.catalog import catalog_vocab_size
 from kvabi.abi.descriptor import Descriptor, ModelSpec
 from kvabi.abi.errors import KvabiError
 from kvabi.abi.presets import PRESETS, preset_descriptor
-from kvabi.cli import vllm_offload_cli
+from kvabi.cli import lmcache_blob_cli, vllm_offload_cli
 from kvabi.cli.peer_formats import detect_peer_format
 from kvabi.wire.container import Container, check_token_ids
 
@@ -33,12 +33,13 @@ def add_container_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("convert", help="convert a container to another engine's layout")
     p.add_argument("input")
     p.add_argument("output")
-    targets = sorted(PRESETS) + [vllm_offload_cli.FORMAT]
+    targets = sorted(PRESETS) + [vllm_offload_cli.FORMAT, lmcache_blob_cli.FORMAT]
     p.add_argument("--to", required=True, choices=targets, metavar="PRESET")
     p.add_argument("--block-size", type=int)
     p.add_argument("--dtype")
     p.add_argument("--model", help="check the token ids against this model's vocabulary")
     vllm_offload_cli.add_offload_args(p)
+    lmcache_blob_cli.add_blob_args(p)
     p.set_defaults(fn=cmd_convert)
 
 
@@ -76,6 +77,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     c = _read(args.input, args.model)
     if args.to == vllm_offload_cli.FORMAT:
         return vllm_offload_cli.convert_to(args, c)
+    if args.to == lmcache_blob_cli.FORMAT:
+        return lmcache_blob_cli.convert_to(args, c)
     dst_desc = destination_for(c.desc.model, args.to, args.block_size, args.dtype, len(c.token_ids))
     out = convert(c.cache, dst_desc, num_tokens=len(c.token_ids))
     write_container(args.output, out, list(c.token_ids), list(c.block_hashes))
@@ -90,8 +93,8 @@ def destination_for(
     model: ModelSpec, preset: str, block_size: int | None, dtype: str | None, num_tokens: int
 ) -> Descriptor:
     """The descriptor a conversion of `num_tokens` tokens writes (`--to` and its options)."""
-    if preset == vllm_offload_cli.FORMAT:
-        raise KvabiError(f"--to {preset}: an offload folder is read into a preset's layout")
+    if preset in (vllm_offload_cli.FORMAT, lmcache_blob_cli.FORMAT):
+        raise KvabiError(f"--to {preset}: a peer's format is read into a preset's layout")
     if block_size is not None:
         limit = max(num_tokens, MAX_BLOCK_SIZE)
         if not 1 <= block_size <= limit:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvabi.cli import vllm_offload_cli
+from kvabi.cli import lmcache_blob_cli, vllm_offload_cli
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,12 @@ PEER_FORMATS = (
         vllm_offload_cli.is_vllm_offload,
         vllm_offload_cli.cmd_inspect,
         vllm_offload_cli.cmd_convert_from,
+    ),
+    PeerFormat(
+        lmcache_blob_cli.FORMAT,
+        lmcache_blob_cli.is_lmcache_blob,
+        lmcache_blob_cli.cmd_inspect,
+        lmcache_blob_cli.cmd_convert_from,
     ),
 )
 

@@ -40,3 +40,35 @@ class OffloadSizeError(InteropError):
 
 class OffloadMissingError(InteropError):
     """A vLLM offload file (or folder) that is not there."""
+
+
+class BlobError(InteropError):
+    """An LMCache EncodedKV blob that cannot be read; base of the below."""
+
+
+class BlobHeaderTruncatedError(BlobError):
+    """An EncodedKV blob that ends inside its header (fixed 76 bytes or the fields after)."""
+
+
+class BlobMagicError(BlobError):
+    """An EncodedKV blob whose first 8 bytes are not LMCache's magic `LMCKV\\x01\\x00\\x01`."""
+
+
+class BlobVersionError(BlobError):
+    """An EncodedKV header version (or scale scope) this reader does not know."""
+
+
+class BlobDtypeError(BlobError):
+    """An EncodedKV dtype id that is not in LMCache's DTYPE_TO_INT table."""
+
+
+class BlobPayloadTruncatedError(BlobError):
+    """An EncodedKV blob shorter than its header's K + V + scale payload lengths."""
+
+
+class BlobChecksumError(BlobError):
+    """An EncodedKV blob whose payload's CRC32 is not the one its header declares."""
+
+
+class BlobShapeError(BlobError):
+    """A well-formed EncodedKV blob whose payload does not fit its heads and head size."""
