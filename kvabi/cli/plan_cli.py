@@ -104,7 +104,7 @@ def _print_memory(desc: Descriptor, context: int, concurrency: int) -> None:
     groups = group_memory(desc, context)
     rows = [
         [g.group.group_id, _ranges(g.group.layer_ids + g.group.reader_ids), describe(g.group.spec),
-         g.bytes_per_token, g.held_tokens, g.bytes_per_request, g.bytes_per_request / 1e9]
+         _bytes(g.bytes_per_token), g.held_tokens, g.bytes_per_request, g.bytes_per_request / 1e9]
         for g in groups
     ]  # fmt: skip
     header = ["group", "layers", "kind", "B/token", "tokens held", "B/request", "GB/request"]
@@ -114,7 +114,7 @@ def _print_memory(desc: Descriptor, context: int, concurrency: int) -> None:
         "KV memory plan (one TP shard)",
         ["quantity", "bytes", "GB"],
         [
-            ["per token", p.bytes_per_token, p.bytes_per_token / 1e9],
+            ["per token", _bytes(p.bytes_per_token), p.bytes_per_token / 1e9],
             [f"per request ({p.context} tokens)", p.bytes_per_request, p.bytes_per_request / 1e9],
             [f"{p.concurrency} concurrent requests", p.total_bytes, p.total_bytes / 1e9],
         ],
@@ -137,6 +137,11 @@ def _print_paths(desc: Descriptor, model: PlannedModel) -> None:
     fused = "where the weights pack for the AMX GEMM" if why is None else f"no: {why}"
     print(f"whole-layer fused decode (FusedDecode): {fused}")
     print(f"kernels: {kernel_status()}")
+
+
+def _bytes(n: float) -> int | float:
+    """Bytes per token as an integer when whole blocks divide evenly, else to a tenth."""
+    return int(n) if float(n).is_integer() else round(n, 1)
 
 
 def describe(spec: LayerSpec) -> str:
