@@ -4,18 +4,18 @@ from __future__ import annotations
 
 from kvabi.abi.descriptor import ATTN, MLA, LayerSpec, ModelSpec
 
-_GQA = {  # name: (layers, kv heads, head dim)
-    "llama-3-8b": (32, 8, 128),
-    "llama-3-70b": (80, 8, 128),
-    "llama-3.1-405b": (126, 8, 128),
-    "llama-2-7b": (32, 32, 128),
-    "llama-2-70b": (80, 8, 128),
-    "mistral-7b": (32, 8, 128),
-    "qwen2-7b": (28, 4, 128),
-    "qwen2-72b": (80, 8, 128),
-    "smollm2-135m": (30, 3, 64),
+_GQA = {  # name: (layers, kv heads, head dim, query heads)
+    "llama-3-8b": (32, 8, 128, 32),
+    "llama-3-70b": (80, 8, 128, 64),
+    "llama-3.1-405b": (126, 8, 128, 128),
+    "llama-2-7b": (32, 32, 128, 32),
+    "llama-2-70b": (80, 8, 128, 64),
+    "mistral-7b": (32, 8, 128, 32),
+    "qwen2-7b": (28, 4, 128, 28),
+    "qwen2-72b": (80, 8, 128, 64),
+    "smollm2-135m": (30, 3, 64, 9),
 }
-_MLA = {"deepseek-v3": (61, 512, 64)}  # layers, kv_lora_rank, qk_rope_head_dim
+_MLA = {"deepseek-v3": (61, 512, 64, 128)}  # layers, kv_lora_rank, qk_rope_head_dim, heads
 _VOCAB = {  # config.json vocab_size
     "llama-3-8b": 128256,
     "llama-3-70b": 128256,
@@ -34,12 +34,20 @@ def catalog_model(name: str) -> ModelSpec:
     """The ModelSpec of a known model by name (see `MODEL_NAMES`)."""
     key = name.lower()
     if key in _GQA:
-        layers, heads, dim = _GQA[key]
+        layers, heads, dim, _ = _GQA[key]
         return ModelSpec((LayerSpec(ATTN, heads, dim, dim),) * layers, fingerprint=key)
     if key in _MLA:
-        layers, rank, rope = _MLA[key]
+        layers, rank, rope, _ = _MLA[key]
         return ModelSpec((LayerSpec(MLA, latent_dim=rank, rope_dim=rope),) * layers, key)
     raise KeyError(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")
+
+
+def catalog_query_heads(name: str) -> int:
+    """A catalog model's query heads (config.json `num_attention_heads`), every layer."""
+    key = name.lower()
+    if key not in _GQA and key not in _MLA:
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")
+    return (_GQA | _MLA)[key][3]
 
 
 def catalog_vocab_size(fingerprint: str) -> int | None:

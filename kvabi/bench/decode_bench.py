@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,7 +25,7 @@ from kvabi.abi.table import print_table
 from kvabi.bench.report import write_json
 from kvabi.engine.llm import LLM
 from kvabi.engine.sampling_params import SamplingParams
-from kvabi.models.cpu_kernels import cpu_kernels, kernel_status
+from kvabi.models.cpu_kernels import cpu_kernels, cpu_name, kernel_status
 
 PROMPT = "Once upon a time, in a small town by the sea,"
 BATCHES = (1, 16)
@@ -76,11 +75,9 @@ def _figures(steps: list[Step], window: int) -> dict[str, float]:
 
 def _ran_on(llm: LLM) -> dict[str, Any]:
     """Which CPU and kernel path the figures come from."""
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
     kernels = cpu_kernels()
     return {
-        "cpu": next((ln.split(":", 1)[1].strip() for ln in lines if "model name" in ln), "?"),
+        "cpu": cpu_name(),
         "cpus": len(os.sched_getaffinity(0)),
         "torch_threads": torch.get_num_threads(),
         "kernels": kernel_status(),

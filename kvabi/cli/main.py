@@ -6,15 +6,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kvabi.abi.catalog import MODEL_NAMES, catalog_model
-from kvabi.abi.descriptor import ATTN, MLA
 from kvabi.abi.errors import KvabiError
-from kvabi.abi.plan import plan
-from kvabi.abi.presets import PRESETS, preset_descriptor
+from kvabi.abi.presets import PRESETS
 from kvabi.abi.table import print_table
-from kvabi.abi.text_form import from_text
 from kvabi.cli.containers import add_container_commands
 from kvabi.cli.disagg import add_disagg_args, add_router_args, cmd_disagg, cmd_router
+from kvabi.cli.plan_cli import add_plan_args
 from kvabi.cli.prefill_worker import add_prefill_worker_args, cmd_prefill_worker
 from kvabi.cli.serve import add_serve_args, add_serve_bench_args, cmd_serve
 
@@ -79,31 +76,6 @@ def cmd_layouts(args: argparse.Namespace) -> int:
     return 0
 
 
-DEFAULT_PLAN_LAYOUTS = {ATTN: "vllm-flash-attn", MLA: "vllm-mla"}  # by the model's layer kind
-
-
-def cmd_plan(args: argparse.Namespace) -> int:
-    if args.descriptor:
-        desc = from_text(args.descriptor)
-    else:
-        model = catalog_model(args.model)
-        layout = args.layout or DEFAULT_PLAN_LAYOUTS[model.layers[0].kind]
-        dtype = {} if args.dtype is None else {"dtype": args.dtype}  # None: the preset's own
-        desc = preset_descriptor(layout, model, **dtype)
-    p = plan(desc, args.context, args.concurrency)
-    print(f"descriptor: {desc}")
-    print_table(
-        "KV memory plan (one TP shard)",
-        ["quantity", "bytes", "GB"],
-        [
-            ["per token", p.bytes_per_token, p.bytes_per_token / 1e9],
-            [f"per request ({p.context} tokens)", p.bytes_per_request, p.bytes_per_request / 1e9],
-            [f"{p.concurrency} concurrent requests", p.total_bytes, p.total_bytes / 1e9],
-        ],
-    )
-    return 0
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "convert":
         from kvabi.bench.convert_bench import run
@@ -156,19 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sources", action="store_true", help="print each preset's source")
     p.set_defaults(fn=cmd_layouts)
     add_container_commands(sub)
-    p = sub.add_parser("plan", help="KV bytes per token, request and fleet")
-    p.add_argument("--model", default="llama-3-70b", choices=MODEL_NAMES)
-    p.add_argument(
-        "--layout",
-        choices=sorted(PRESETS),
-        metavar="PRESET",
-        help="default: vllm-flash-attn for attention models, vllm-mla for MLA models",
-    )
-    p.add_argument("--dtype", help="default: the preset's (bf16, or u8 for fp8 records)")
-    p.add_argument("--descriptor", help="a descriptor's text form instead of model + layout")
-    p.add_argument("--context", type=int, default=32768)
-    p.add_argument("--concurrency", type=int, default=1)
-    p.set_defaults(fn=cmd_plan)
+    add_plan_args(sub)
     p = sub.add_parser("generate", help="complete a prompt, streamed, with the kvabi engine")
     p.add_argument("prompt")
     p.add_argument("--chat-template", action="store_true", help="wrap as one user chat turn")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from kvabi.cache.kv_storage import KVStorage
+from kvabi.engine.attention_path import no_kernels
 from kvabi.engine.paged_attention import StepContext
 from kvabi.models.cpu_kernels import CpuKernels, DecodeLayer, DecodeShape
 from kvabi.models.llama import LlamaModel
@@ -63,30 +64,47 @@ class FusedDecode:
         cls, model: LlamaModel, storage: KVStorage, kernels: CpuKernels | None
     ) -> FusedDecode | None:
         """A FusedDecode where everything it needs is there, else None (see the module doc)."""
-        if not isinstance(model, LlamaModel) or kernels is None or not kernels.amx:
+        if kernels is None or cls.gap(model, storage, kernels) is not None:
             return None
-        if model.dtype != torch.bfloat16:
-            return None
+        return cls(model, storage, kernels)
+
+    @staticmethod
+    def kernel_gap(kernels: CpuKernels | None, dtype: torch.dtype) -> str | None:
+        """Why no model in `dtype` gets a FusedDecode here (before its weights are looked at),
+        or None."""
+        if kernels is None:
+            return no_kernels()
+        if not kernels.amx:
+            return "no AMX"
+        return None if dtype == torch.bfloat16 else "not bf16"
+
+    @staticmethod
+    def gap(model: LlamaModel, storage: KVStorage, kernels: CpuKernels | None) -> str | None:
+        """Why `build` gives this model and storage no FusedDecode, or None."""
+        if not isinstance(model, LlamaModel):
+            return "not a Llama-family model"
+        if (why := FusedDecode.kernel_gap(kernels, model.dtype)) is not None:
+            return why
         eps = {n.eps for layer in model.layers
                for n in (layer.input_layernorm, layer.post_attention_layernorm)}  # fmt: skip
         if len(eps) != 1:
-            return None
+            return "norms of several eps"
         gemms: list[PackedLinear | None] = [
             g for layer in model.layers
             for g in (layer.self_attn.qkv, layer.self_attn.out, layer.mlp.gate_up, layer.mlp.down)
         ]  # fmt: skip
         if any(g is None or g.amx is None for g in gemms):
-            return None
+            return "weights not packed for the AMX GEMM"
         cfg = model.config  # the sizes kvabi_decode_layers takes (it checks them again)
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         sizes = (cfg.hidden_size, q_size, cfg.intermediate_size)
         if any(n % 32 for n in sizes) or kv_size % 16 or cfg.num_heads % cfg.num_kv_heads:
-            return None
+            return "sizes not multiples of 32"
         strides = {t.stride() for t in storage.k + storage.v}
         pools_ok = all(t.dtype == torch.bfloat16 for t in storage.k + storage.v)
         if len(strides) != 1 or not pools_ok or storage.k[0].stride(-1) != 1:
-            return None
-        return cls(model, storage, kernels)
+            return "KV pools not bf16 of one stride"
+        return None
 
     def hidden_states(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from kvabi.abi.descriptor import MLA, LayerSpec
 from kvabi.cache.kv_cache import KVCache
 from kvabi.cache.kv_storage import KVStorage
+from kvabi.engine.attention_path import decode_gap, mla_decode_gap, prefill_gap
 from kvabi.engine.sparse_mla import attend_sparse_mla
 from kvabi.models.attention import causal_mask
 from kvabi.models.cpu_kernels import CpuKernels, cpu_kernels
@@ -203,14 +204,12 @@ class PagedAttention:
     ) -> None:
         rows = slice(s.query_start, s.query_start + s.num_queries)
         kernels, window = self.kernels, self._ctxs[self.kv.group_ids[layer_id]].window
-        # (AMX, dtype and head size first, so an unsupported chunk is not gathered twice)
+        kv_dtype = self.kv.views(layer_id)[0].dtype
         if (
             kernels is not None
             and new_k is not None
-            and window == 0
-            and kernels.amx
-            and q.dtype == self.kv.views(layer_id)[0].dtype == torch.bfloat16
-            and q.shape[-1] % 32 == 0
+            and new_v is not None
+            and prefill_gap(kernels, window, True, q.dtype, kv_dtype, q.shape[-1]) is None
         ):
             # native backend, bf16 with AMX: the C++ kernel, on the new K/V or the gathered
             # context (same causal rule: the chunk's queries are the context's last positions)
@@ -219,7 +218,7 @@ class PagedAttention:
             else:
                 k, v = self.kv.gather(layer_id, s)
                 k, v = k.contiguous(), v.contiguous()
-            if kernels.prefill_supports(q[rows], k, v):
+            if kernels.prefill_gap(q[rows], k, v) is None:
                 out[rows] = kernels.prefill_attention(q[rows], k, v)
                 return
         qs = q[rows].transpose(0, 1)  # [H, Tq, D]
@@ -245,11 +244,7 @@ class PagedAttention:
         """q [S, H, D] (one query per sequence) -> [S, H, D], with padded K/V gathers."""
         k_pool, v_pool = self.kv.views(layer_id)
         kernels = self.kernels
-        if (
-            kernels is not None
-            and ctx.window == 0
-            and kernels.paged_decode_supports(q, k_pool, v_pool)
-        ):
+        if kernels is not None and decode_gap(kernels, ctx.window, q, k_pool, v_pool) is None:
             return kernels.paged_decode(q, k_pool, v_pool, ctx.decode_tables, ctx.decode_lens)
         k = k_pool[ctx.decode_tables].flatten(1, 2)  # [S, L, H_kv, D]
         v = v_pool[ctx.decode_tables].flatten(1, 2)
@@ -284,14 +279,10 @@ class PagedAttention:
             rows = ctx.decode_query_rows
             storage, slot = self.kv.storages[layer_id], self.kv.slots[layer_id]
             records = storage.joint[slot]
-            if (
-                self.backend == "native"
-                and self.kernels is not None
-                and storage.is_records
-                and self.kernels.mla_records_supports(q, records)
-            ):  # the C++ kernel reads the 656-byte records in place
-                lens = ctx.decode_lens
-                o = self.kernels.mla_decode_records(q[rows], records, ctx.decode_tables, lens)
+            kernels = self.kernels  # set for the native backend only
+            if kernels is not None and mla_decode_gap(kernels, storage, slot, q) is None:
+                lens = ctx.decode_lens  # the C++ kernel reads the 656-byte records in place
+                o = kernels.mla_decode_records(q[rows], records, ctx.decode_tables, lens)
                 out[rows] = o.to(q.dtype)
                 return out
             keys = self.kv.mla_keys(layer_id, ctx.decode_tables, q.dtype)  # [S, nb, N, 1, C]

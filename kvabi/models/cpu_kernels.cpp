@@ -758,22 +758,40 @@ void decode_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeSh
 }
 #endif
 
-template <typename T>
-int dispatch(const T* q, T* out, const Pool& pool, const int64_t* tables, int64_t table_width,
-             const int64_t* context_lens, int64_t num_seqs, int num_heads, int num_kv_heads,
-             int head_dim, float scale, int num_threads) {
-  auto run = [&](auto dim) {
-    decode<T, decltype(dim)::value>(q, int64_t{num_heads} * head_dim, out, pool, tables,
-                                    table_width, context_lens, num_seqs,
-                                    num_heads, num_kv_heads, head_dim, scale, num_threads);
-  };
+// Calls run(std::integral_constant<int, DIM>) with the head size fixed at compile time where
+// there is an instance for it (64, 128), else DIM = 0 (read at run time).
+template <typename Fn>
+void with_dim(int head_dim, Fn run) {
   if (head_dim == 64)
     run(std::integral_constant<int, 64>{});
   else if (head_dim == 128)
     run(std::integral_constant<int, 128>{});
   else
     run(std::integral_constant<int, 0>{});
+}
+
+template <typename T>
+int dispatch(const T* q, T* out, const Pool& pool, const int64_t* tables, int64_t table_width,
+             const int64_t* context_lens, int64_t num_seqs, int num_heads, int num_kv_heads,
+             int head_dim, float scale, int num_threads) {
+  with_dim(head_dim, [&](auto dim) {
+    decode<T, decltype(dim)::value>(q, int64_t{num_heads} * head_dim, out, pool, tables,
+                                    table_width, context_lens, num_seqs,
+                                    num_heads, num_kv_heads, head_dim, scale, num_threads);
+  });
   return 0;
+}
+
+// The loop kvabi_paged_decode runs for (dtype, head_dim, group = heads per KV head), by the
+// same choices `dispatch` and `decode` make: 2 the AVX512-BF16 instance (bf16), 1 the generic
+// loop with the head size fixed at compile time, 0 the generic loop reading it at run time.
+int paged_decode_variant(int dtype, int head_dim, int group) {
+  int variant = 0;
+  with_dim(head_dim, [&](auto dim) {
+    constexpr int kDim = decltype(dim)::value;
+    if constexpr (kDim > 0) variant = dtype == 1 && fast_attend<kDim>(group) != nullptr ? 2 : 1;
+  });
+  return variant;
 }
 
 // MLA decode over vLLM's fp8_ds_mla records, read in place through the block tables. A record
@@ -863,6 +881,10 @@ int kvabi_mla_decode_records(const void* q, void* out, const void* records, int6
                      static_cast<const uint8_t*>(records), block_stride, slot_stride, block_size,
                      tables, table_width, lens, num_seqs, num_heads, scale, num_threads);
   return 0;
+}
+
+int kvabi_paged_decode_variant(int dtype, int head_dim, int group) {
+  return paged_decode_variant(dtype, head_dim, group);
 }
 
 // dtype: 0 = float32, 1 = bfloat16 (q, out and the cache share it). Returns 0, or -1 for an

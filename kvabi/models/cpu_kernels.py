@@ -42,6 +42,15 @@ def has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), or "?"."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "?"
+    return next((ln.split(":", 1)[1].strip() for ln in lines if "model name" in ln), "?")
+
+
 def _cpu_flags() -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -96,11 +105,18 @@ class DecodeShape(ctypes.Structure):
     ] + [("eps", ctypes.c_float)]  # fmt: skip
 
 
-def _supported(*tensors: torch.Tensor) -> bool:
+DECODE_VARIANTS = ("generic loop, head_dim read at run time", "generic loop, head_dim unrolled",
+                   "AVX512-BF16 instance")  # by kvabi_paged_decode_variant's code  # fmt: skip
+
+
+def _unsupported(*tensors: torch.Tensor) -> str | None:
+    """Why the kernels cannot take these tensors (dtype, device), or None."""
     dtype = tensors[0].dtype
-    return dtype in DTYPE_CODES and all(
-        t.dtype == dtype and t.device.type == "cpu" for t in tensors
-    )
+    if dtype not in DTYPE_CODES:
+        return f"dtype {str(dtype).removeprefix('torch.')} (the kernels take float32, bfloat16)"
+    if any(t.dtype != dtype or t.device.type != "cpu" for t in tensors):
+        return "tensors not all on the CPU in one dtype"
+    return None
 
 
 class CpuKernels:
@@ -123,6 +139,9 @@ class CpuKernels:
             "kvabi_mla_decode_records": [ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i64, c_int]
             + [c_float, c_int],
         }
+        lib.kvabi_paged_decode_variant.argtypes = [c_int, c_int, c_int]
+        lib.kvabi_paged_decode_variant.restype = c_int
+        self._variant = lib.kvabi_paged_decode_variant
         self._fns = {}
         for name, argtypes in signatures.items():
             fn = getattr(lib, name)
@@ -139,13 +158,24 @@ class CpuKernels:
             raise RuntimeError(f"{name} failed with code {code}")
 
     @staticmethod
+    def paged_decode_gap(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+        """Why `paged_decode` cannot take these (q [S, H, D], pool views), or None if it can."""
+        if (why := _unsupported(q, k, v)) is not None:
+            return why
+        if k.stride() != v.stride() or k.stride(-1) != 1:
+            return "K and V pools of other strides, or head_dim not contiguous"
+        if q.shape[1] % k.shape[2]:
+            return f"{q.shape[1]} query heads on {k.shape[2]} KV heads"
+        return None
+
+    @staticmethod
     def paged_decode_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-        return (
-            _supported(q, k, v)
-            and k.stride() == v.stride()
-            and k.stride(-1) == 1
-            and q.shape[1] % k.shape[2] == 0
-        )
+        return CpuKernels.paged_decode_gap(q, k, v) is None
+
+    def paged_decode_variant(self, dtype: torch.dtype, head_dim: int, group: int) -> str:
+        """The loop `paged_decode` runs for this dtype, head size and query heads per KV head
+        (the C++ dispatch's own choice): one of `DECODE_VARIANTS`."""
+        return DECODE_VARIANTS[self._variant(DTYPE_CODES[dtype], head_dim, group)]
 
     def paged_decode(
         self,
@@ -185,18 +215,21 @@ class CpuKernels:
         return out
 
     @staticmethod
+    def mla_records_gap(q: torch.Tensor, records: torch.Tensor) -> str | None:
+        """Why `mla_decode_records` cannot take these, or None: q [S, H, 576] (any float
+        dtype: the kernel computes in float32); records: a canonical pool view
+        [num_blocks, block_size, 1, 656] of u8 with whole records."""
+        if not q.device.type == records.device.type == "cpu":
+            return "tensors not on the CPU"
+        if q.dim() != 3 or q.shape[-1] != 576:
+            return f"query of {q.shape[-1]} values (the kernel takes 512 latent + 64 rope)"
+        if records.dtype != torch.uint8 or records.dim() != 4 or records.shape[2:] != (1, 656):
+            return "pool not of 656-byte fp8_ds_mla records"
+        return None if records.stride(-1) == 1 else "records not contiguous"
+
+    @staticmethod
     def mla_records_supports(q: torch.Tensor, records: torch.Tensor) -> bool:
-        """q [S, H, 576] (any float dtype: the kernel computes in float32); records: a
-        canonical pool view [num_blocks, block_size, 1, 656] of u8 with whole records."""
-        return (
-            q.device.type == records.device.type == "cpu"
-            and q.dim() == 3
-            and q.shape[-1] == 576
-            and records.dtype == torch.uint8
-            and records.dim() == 4
-            and records.shape[2:] == (1, 656)
-            and records.stride(-1) == 1
-        )
+        return CpuKernels.mla_records_gap(q, records) is None
 
     def mla_decode_records(
         self, q: torch.Tensor, records: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor
@@ -325,19 +358,27 @@ class CpuKernels:
             lens.data_ptr(),
         )
 
+    def prefill_gap(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+        """Why `prefill_attention` cannot take these, or None (it takes bf16 with AMX, head size
+        % 32 == 0, each row's heads and dims contiguous, at least as many keys as queries)."""
+        if not self.amx:
+            return "no AMX"
+        if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in (q, k, v)):
+            return "not bf16 on the CPU"
+        if not all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (q, k, v)):
+            return "heads and dims not contiguous"
+        if k.stride(0) % 2:  # K rows are gathered as pairs of bf16
+            return "odd K row stride"
+        if q.shape[2] % 32 or not k.shape[2] == v.shape[2] == q.shape[2]:
+            return f"head_dim {q.shape[2]} not a multiple of 32"
+        if q.shape[1] % k.shape[1]:
+            return f"{q.shape[1]} query heads on {k.shape[1]} KV heads"
+        if not 0 < q.shape[0] <= k.shape[0] == v.shape[0]:
+            return "fewer keys than queries"
+        return None
+
     def prefill_supports(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """Whether `prefill_attention` takes these (bf16 with AMX, head size % 32 == 0, each
-        row's heads and dims contiguous, at least as many keys as queries)."""
-        return (
-            self.amx
-            and all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in (q, k, v))
-            and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (q, k, v))
-            and k.stride(0) % 2 == 0  # K rows are gathered as pairs of bf16
-            and q.shape[2] % 32 == 0
-            and k.shape[2] == v.shape[2] == q.shape[2]
-            and q.shape[1] % k.shape[1] == 0
-            and 0 < q.shape[0] <= k.shape[0] == v.shape[0]
-        )
+        return self.prefill_gap(q, k, v) is None
 
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of a chunk of tq queries q [tq, H, D] over tk >= tq keys k, v

@@ -16,8 +16,8 @@ import torch
 
 from kvabi.models.checkpoint import AnyConfig, AnyModel, Checkpoint
 from kvabi.models.cpu_kernels import cpu_kernels
-from kvabi.models.gguf_loader import load_gguf, open_gguf
-from kvabi.models.hf_loader import load_hf
+from kvabi.models.gguf_loader import load_gguf, open_gguf, read_config
+from kvabi.models.hf_loader import load_hf, load_hf_config
 from kvabi.models.tokenizer import Tokenizer
 
 
@@ -101,6 +101,20 @@ def resolve_model(name_or_path: str | Path | None = None) -> ModelSource:
     if path.is_dir() and (path / "config.json").is_file():
         return ModelSource(path, "hf")
     raise ValueError(f"model {str(path)!r}: neither a .gguf file nor a folder with config.json")
+
+
+def read_model_config(name_or_path: str | Path | None = None) -> AnyConfig:
+    """The config of a bundled name, a .gguf file or an HF folder, without its weights."""
+    source = resolve_model(name_or_path)
+    if source.format == "hf":
+        return load_hf_config(source.path)
+    return read_config(open_gguf(source.path))
+
+
+def query_heads(config: AnyConfig) -> tuple[int, ...]:
+    """Each layer's query heads (Laguna's vary by layer; every other config has one count)."""
+    per_layer = getattr(config, "num_heads_per_layer", None)
+    return tuple(per_layer) if per_layer else (config.num_heads,) * len(config.kv_layers())
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 import dataclasses
 
+import pytest
 import torch
 
 from kvabi.abi.block_hash import hash_blocks, root_hash
@@ -144,3 +145,31 @@ def test_inspect_checks_token_ids_against_a_given_model(tmp_path, capsys):
     _container(other)  # fingerprint smollm2-135m: another model than the folder's
     assert main(["inspect", str(other), "--model", str(folder)]) == 1
     assert "its cache is of another model" in capsys.readouterr().err
+
+
+def test_plan_of_an_hf_folder_prints_groups_and_each_groups_attention_paths(tmp_path, capsys):
+    """A hybrid model read from its folder (config only): one row per KV group (sliding, full,
+    shared readers), and per group the paths the engine's predicates give on this machine."""
+    pytest.importorskip("transformers")
+    from kvabi.abi.descriptor import ModelSpec
+    from kvabi.abi.presets import preset_descriptor
+    from kvabi.engine.attention_plan import attention_paths
+    from kvabi.models.registry import query_heads, read_model_config
+    from tests.models.test_gemma4 import make_hf
+
+    make_hf("shared-kv").save_pretrained(tmp_path)
+    assert main(["plan", str(tmp_path), "--context", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "model: HF folder, 6 layers" in out and "window 4" in out
+    config = read_model_config(tmp_path)
+    desc = preset_descriptor("vllm-flash-attn", ModelSpec(config.kv_layers(), tmp_path.name))
+    rows = attention_paths(desc, query_heads(config))
+    assert any(r.readers for r in rows) and any(r.group.window for r in rows)
+    for r in rows:
+        assert str(r.prefill) in out and str(r.decode) in out
+    assert "torch SDPA: sliding window 4" in out  # the sliding groups' decode, on any CPU
+
+
+def test_plan_refuses_the_model_twice(capsys):
+    assert main(["plan", "llama-3-8b", "--model", "llama-3-8b"]) != 0
+    assert "give the model once" in capsys.readouterr().err
