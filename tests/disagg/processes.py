@@ -17,15 +17,15 @@ SECRET = "disagg-test-secret-0123456789"
 ENV = {"KVABI_KV_SECRET": SECRET}
 
 
-def tiny_args(folder: str) -> list[str]:
-    """`kvabi serve` arguments for the tiny chat model's folder, 128 blocks."""
+def tiny_args(folder: str, dtype: str = "fp32") -> list[str]:
+    """`kvabi serve` arguments for a tiny model's folder, 128 blocks, weights and KV in `dtype`."""
     return [
         "--model",
         folder,
         "--served-model-name",
         "tiny",
         "--dtype",
-        "fp32",
+        dtype,
         "--num-blocks",
         "128",
     ]

@@ -73,22 +73,23 @@ def completion(response: httpx.Response) -> tuple[str, int]:
     return body["choices"][0]["text"], body["usage"]["prompt_tokens"]
 
 
-def routed(prefill: Instance, decode: Instance) -> httpx.Response:
+def routed(prefill: Instance, decode: Instance, body: dict = BODY) -> httpx.Response:
     async def send(client: httpx.AsyncClient) -> httpx.Response:
-        response = await client.post("/v1/completions", json=BODY)
+        response = await client.post("/v1/completions", json=body)
         await response.aread()
         return response
 
     return through_router([prefill], [decode], send)
 
 
-def fp8_reference(folder: str, prompt: list[int]) -> list[int]:
+def fp8_reference(folder: str, prompt: list[int], dtype: str = "fp32") -> list[int]:
     """An fp8_ds_mla engine's greedy tokens after importing a vllm-mla engine's prompt KV,
-    converted to the fp8 engine's records."""
-    loaded = load_model(folder, dtype="fp32", progress=False)
+    converted to the fp8 engine's records; both engines' weights (and the vllm-mla KV) in
+    `dtype`."""
+    loaded = load_model(folder, dtype=dtype, progress=False)
     source = LLMEngine(loaded, EngineConfig(block_size=BLOCK, kv_layout="nhd"))
     greedy(source, prompt, NUM_NEW)
-    exported = source.cache.export(prompt, None)  # the prompt's full blocks, [c_kv | k_pe] fp32
+    exported = source.cache.export(prompt, None)  # the prompt's full blocks, [c_kv | k_pe]
     target = LLMEngine(loaded, EngineConfig(block_size=BLOCK, kv_layout=FP8))
     desc = target.info.descriptor
     assert (exported.cache.desc.layout.name, desc.layout.name) == ("vllm-mla", FP8)
