@@ -7,7 +7,8 @@ null: unset), "block_size", "token_ids", "extra_keys": null | one entry per full
 `init_none_hash` and `hash_block_tokens` block by block; {"op": "request", ... "cache_salt",
 "lora": [name, id, path] | null} builds a vLLM `Request` and hashes it with
 `get_request_block_hasher` (vLLM makes the extra keys). {"op": "cbor", "values": [...]} returns
-`cbor2.dumps(v, canonical=True)`. JSON values are tagged: {"b": hex} bytes, {"t": [...]} a
+`cbor2.dumps(v, canonical=True)`. {"op": "events", ...} (see `events`): vLLM's KV event
+bytes. JSON values are tagged: {"b": hex} bytes, {"t": [...]} a
 tuple, {"m": [[k, v], ...]} a dict. Answers: hex strings, in job order.
 """
 
@@ -74,6 +75,26 @@ def request(job: dict[str, Any]) -> list[str]:
     return [kv_cache_utils.NONE_HASH.hex()] + [h.hex() for h in req.block_hashes]
 
 
+def events(job: dict[str, Any]) -> list[str]:
+    """A `KVEventBatch` of one `BlockStored` of the chain of `token_ids` (the "chain" job's
+    fields), as vLLM's `ZmqEventPublisher` encodes it; `int_hashes`: with
+    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, hashes go out as vLLM's `maybe_convert_block_hash`."""
+    import msgspec
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+    from vllm.v1.core import kv_cache_utils
+
+    os.environ["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "1" if job["int_hashes"] else "0"
+    hashes = [bytes.fromhex(h) for h in chain({"extra_keys": None, **job})[1:]]
+    num_tokens = len(hashes) * job["block_size"]
+    stored = BlockStored(
+        block_hashes=[kv_cache_utils.maybe_convert_block_hash(h) for h in hashes],
+        parent_block_hash=None, token_ids=job["token_ids"][:num_tokens],
+        block_size=job["block_size"], lora_id=None, medium="GPU", lora_name=None,
+    )  # fmt: skip
+    batch = KVEventBatch(ts=1.0, events=[stored])
+    return [msgspec.msgpack.Encoder().encode(batch).hex()]
+
+
 def cbor(job: dict[str, Any]) -> list[str]:
     import cbor2
 
@@ -83,7 +104,7 @@ def cbor(job: dict[str, Any]) -> list[str]:
 def main() -> None:
     with open(sys.argv[1]) as f:
         jobs = json.load(f)
-    ops = {"chain": chain, "request": request, "cbor": cbor}
+    ops = {"chain": chain, "request": request, "cbor": cbor, "events": events}
     results = [ops[job["op"]](job) for job in jobs]
     with open(sys.argv[2], "w") as f:
         json.dump(results, f)
