@@ -1,5 +1,5 @@
 """Named, selectable block-hash schemes: kvabi's own (docs/ABI.md section 4) and its peers'
-(section 4.4), so kvabi can compute the block hashes a vLLM, llm-d or SGLang deployment uses,
+(section 4.3), so kvabi can compute the block hashes a vLLM, llm-d or SGLang deployment uses,
 e.g. to index their KV events (`kvabi router --hash-scheme NAME`).
 
 A scheme is a chain step (parent, the token ids of one full block, extra keys) -> the block's
@@ -26,7 +26,7 @@ Step = Callable[[bytes, Sequence[int], Any], bytes]
 
 @dataclass(frozen=True)
 class RootInputs:
-    """What roots a chain; each scheme reads the fields it needs (section 4.4)."""
+    """What roots a chain; each scheme reads the fields it needs (section 4.3)."""
 
     seed: str | None = None  # vLLM / llm-d hash seed (None: the scheme's default)
     model_name: str = ""  # llm-d FNV roots on it

@@ -37,7 +37,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         "--hash-scheme",
         default="kvabi",
         choices=sorted(SCHEMES),
-        help="the block-hash scheme of the --kv-events instances' events (docs/ABI.md 4.4): "
+        help="the block-hash scheme of the --kv-events instances' events (docs/ABI.md 4.3): "
         "kvabi, or a vLLM / llm-d / SGLang deployment's",
     )
     p.add_argument(
