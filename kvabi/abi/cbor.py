@@ -2,7 +2,7 @@
 peers' block hashes encode: unsigned and negative 64-bit ints, bytes, str, lists and tuples
 (arrays), dicts (maps), None, bools. It is the encoding of `cbor2.dumps(x, canonical=True)`
 (vLLM's `sha256_cbor`) and of Go's `cbor.CanonicalEncOptions()` (llm-d) for these types,
-checked against cbor2 in tests/abi/test_cbor.py. Anything else (floats, ints beyond 64 bits,
+checked against cbor2 in tests/abi/test_hash_schemes.py. Anything else (floats, ints beyond 64 bits,
 sets, objects) is refused with a CodecError rather than encoded some other way.
 """
 

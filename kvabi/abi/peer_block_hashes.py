@@ -1,6 +1,6 @@
 """Peers' block-hash chains, byte for byte: one step (parent, one block's token ids, extra
 keys) -> the block's hash, and each peer's root. Definitions and sources: docs/ABI.md section
-4.4 ("Peers' hash schemes"); the registry that names them is `hash_schemes.py`.
+4.3 ("Peers' hash schemes"); the registry that names them is `hash_schemes.py`.
 
 - vLLM 0.32 (`vllm/v1/core/kv_cache_utils.py` `hash_block_tokens`, `vllm/utils/hashing.py`):
   h = H((parent, tuple(tokens), extra_keys)) with H = SHA-256 over canonical CBOR
