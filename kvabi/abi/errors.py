@@ -29,3 +29,8 @@ class MissingPlaneError(ShapeError):
         super().__init__(f"layer {layer_id} lacks its {plane!r} plane: {detail}")
         self.layer_id = layer_id
         self.plane = plane
+
+
+class HashSchemeError(KvabiError, ValueError):
+    """A block-hash scheme asked for what it cannot hash: an unknown scheme name, a token id
+    outside [0, 2^32), a parent of the wrong length, extra keys the scheme cannot encode."""

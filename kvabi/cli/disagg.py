@@ -9,6 +9,8 @@ import secrets
 import signal
 import sys
 
+from kvabi.abi.hash_schemes import SCHEMES
+
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
@@ -31,6 +33,22 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         help="route by cached prefix: instance URL (a --decode or --prefill one) publishes its "
         "KV events on ZMQ ENDPOINT (its `kvabi serve --kv-events`; repeatable)",
     )
+    p.add_argument(
+        "--hash-scheme",
+        default="kvabi",
+        choices=sorted(SCHEMES),
+        help="the block-hash scheme of the --kv-events instances' events (docs/ABI.md 4.3): "
+        "kvabi, or a vLLM / llm-d / SGLang deployment's",
+    )
+    p.add_argument(
+        "--hash-seed",
+        default=None,
+        help="the peer's hash seed (vLLM: its PYTHONHASHSEED; llm-d: hashSeed); "
+        "default: the scheme's",
+    )
+    p.add_argument(
+        "--hash-model", default="", help="the model name llm-d-fnv64a roots on (llm-d's)"
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -38,6 +56,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvabi.routing.prefix_routing import EventSource
+    from kvabi.routing.prompt_hashing import PromptHashing
     from kvabi.routing.router import PrefillTarget, RouterConfig, create_router_app
     from kvabi.server.http_limits import (
         BodyDeadline,
@@ -51,6 +70,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         tuple(PrefillTarget(url, kv) for url, kv in args.prefill),
         tuple(args.decode),
         kv_events=tuple(EventSource(url, endpoint) for url, endpoint in args.kv_events),
+        hashing=PromptHashing(args.hash_scheme, args.hash_seed, args.hash_model),
     )
     print(f"kvabi router: http://{args.host}:{args.port}/v1 -> {config}", flush=True)
     app = create_router_app(config)

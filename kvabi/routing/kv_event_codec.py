@@ -9,8 +9,10 @@ and are at it (None: extra_keys, a uniform cache's group fields, a full group's 
 are omitted, as its encoder (`omit_defaults`) does, so a uniform cache's bytes are those of
 vLLM's events without groups. A hybrid cache's events carry their block group
 (kvabi/cache/block_events.py); a reader takes a missing `group_idx` as group 0. Hashes are bin
-(32-byte kvabi block hashes, docs/ABI.md section 4). Any msgpack reader can decode it, and vLLM's
-own `msgspec` decoder for `KVEventBatch` does (tests/routing/test_kv_event_codec.py).
+(32-byte kvabi block hashes, docs/ABI.md section 4); a reader takes an integer hash (vLLM's
+`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`, llm-d, SGLang) as its 64 bits, 8 bytes big-endian.
+Any msgpack reader can decode it, and vLLM's own `msgspec` decoder for `KVEventBatch` does
+(tests/routing/test_kv_event_codec.py).
 
 `decode_batch` also reads the older array form (`["BlockStored", hashes, ...]`) and skips event
 types it does not know, so a follower keeps up with newer publishers.
@@ -104,9 +106,10 @@ def _decode_event(raw: Any) -> BlockEvent | None:
         raise EventDecodeError(f"an event must be a map or an array, got {type(raw).__name__}")
     kind = raw.get("type")
     if kind == "BlockStored":
+        parent = raw.get("parent_block_hash")
         return BlockStored(
-            tuple(raw["block_hashes"]),
-            raw.get("parent_block_hash"),
+            _hash_keys(raw["block_hashes"]),
+            None if parent is None else _hash_keys([parent])[0],
             tuple(raw.get("token_ids") or ()),
             int(raw["block_size"]),
             raw.get("medium") or "GPU",
@@ -116,7 +119,21 @@ def _decode_event(raw: Any) -> BlockEvent | None:
         )
     if kind == "BlockRemoved":
         medium = raw.get("medium") or "GPU"
-        return BlockRemoved(tuple(raw["block_hashes"]), medium, raw.get("group_idx"))
+        return BlockRemoved(_hash_keys(raw["block_hashes"]), medium, raw.get("group_idx"))
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
     return None  # a newer event type: not ours to follow
+
+
+def _hash_keys(hashes: Any) -> tuple[bytes, ...]:
+    """Block hashes as bytes: bin as is; an integer (vLLM with
+    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, llm-d, SGLang's int64) as its 64 bits, big-endian."""
+    out = []
+    for h in hashes:
+        if isinstance(h, bytes):
+            out.append(h)
+        elif isinstance(h, int) and not isinstance(h, bool) and -(2**63) <= h < 2**64:
+            out.append((h & (2**64 - 1)).to_bytes(8, "big"))
+        else:
+            raise EventDecodeError(f"a block hash must be bin or a 64-bit integer, got {h!r:.40}")
+    return tuple(out)

@@ -5,7 +5,8 @@ into a `PrefixIndex`. For a request it needs the request's block hashes, which n
 ids after the chat template and the hash root (the model's compat digest and the cache salt):
 the router holds no model, so it asks one instance (`POST /kvabi/tokenize/v1/...`, the same
 body) for `token_ids` and `hash_root`, and hashes them for each block size its instances use
-(`hash_blocks`, docs/ABI.md section 4). That costs one local round trip per request, and only
+(`hash_blocks`, docs/ABI.md section 4), or by the scheme a peer deployment's events use
+(`PromptHashing`, `--hash-scheme`). That costs one local round trip per request, and only
 while some instance reports cached blocks; in exchange the router needs no tokenizer or weights
 and stays right when the template or the tokenizer changes with the model.
 Instances are ordered by cached prefix (tokens, longest first), then by requests in flight at
@@ -14,6 +15,7 @@ the router, then round robin (the order they come in).
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter
 from collections.abc import Sequence
@@ -22,9 +24,9 @@ from functools import partial
 
 import httpx
 
-from kvabi.abi.block_hash import hash_blocks
 from kvabi.routing.kv_event_subscriber import KVEventSubscriber
 from kvabi.routing.prefix_index import PrefixIndex
+from kvabi.routing.prompt_hashing import PromptHashing
 
 log = logging.getLogger("kvabi.router")
 TOKENIZE_PREFIX = "/kvabi/tokenize"
@@ -45,8 +47,13 @@ class PromptHashes:
 
 
 class PrefixRouting:
-    def __init__(self, sources: Sequence[EventSource], client: httpx.AsyncClient) -> None:
-        self.sources, self.client = tuple(sources), client
+    def __init__(
+        self,
+        sources: Sequence[EventSource],
+        client: httpx.AsyncClient,
+        hashing: PromptHashing = PromptHashing(),
+    ) -> None:
+        self.sources, self.client, self.hashing = tuple(sources), client, hashing
         self.index = PrefixIndex()
         self.in_flight: Counter[str] = Counter()  # requests the router has at each instance
         self._subscribers: list[KVEventSubscriber] = []
@@ -90,7 +97,8 @@ class PrefixRouting:
             answer = r.json()
             ids, root = answer["token_ids"], bytes.fromhex(answer["hash_root"])
             sizes = self.index.block_sizes() or {int(answer["block_size"])}
-            return PromptHashes(len(ids), {bs: hash_blocks(ids, bs, root) for bs in sizes})
+            hashes = self.hashing.hashes(ids, sizes, root, _cache_salt(body))
+            return PromptHashes(len(ids), hashes)
         return None
 
     def order(self, urls: Sequence[str], turn: int, cached: dict[str, int]) -> list[str]:
@@ -99,3 +107,11 @@ class PrefixRouting:
         n = len(urls)
         rotated = [urls[(turn + i) % n] for i in range(n)]
         return sorted(rotated, key=lambda u: (-cached.get(u, 0), self.in_flight[u]))
+
+
+def _cache_salt(body: bytes) -> str | None:
+    try:
+        salt = json.loads(body).get("cache_salt")
+    except (ValueError, AttributeError):
+        return None
+    return salt if isinstance(salt, str) else None

@@ -34,6 +34,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvabi.routing.prefix_routing import EventSource, PrefixRouting
+from kvabi.routing.prompt_hashing import PromptHashing
 
 log = logging.getLogger("kvabi.router")
 PEER_HEADER = "x-kvabi-prefill"
@@ -60,6 +61,7 @@ class RouterConfig:
     kv_events: tuple[EventSource, ...] = ()  # instances whose KV events the router follows
     health_interval_s: float = 2.0  # how often every instance's /health is asked
     health_timeout_s: float = 2.0  # an instance slower than this to answer is unhealthy
+    hashing: PromptHashing = PromptHashing()  # the block-hash scheme of the instances' events
 
     def __post_init__(self) -> None:
         if not self.decode and not self.prefill:
@@ -75,7 +77,7 @@ class Router:
         self.config = config
         timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s)
         self.client = httpx.AsyncClient(timeout=timeout)
-        self.routing = PrefixRouting(config.kv_events, self.client)
+        self.routing = PrefixRouting(config.kv_events, self.client, config.hashing)
         self._turn = itertools.count()
         self.statuses: dict[str, int] = {}  # url -> its last /health status (0: no answer)
 
