@@ -58,6 +58,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "(e.g. tcp://127.0.0.1:5557; off by default), for prefix-aware routers",
     )
     p.add_argument("--kv-events-replay", metavar="ENDPOINT", help="ZMQ endpoint for replays")
+    p.add_argument(
+        "--kv-events-format",
+        choices=["map", "array"],
+        default="map",
+        help="map: vLLM's named-field events (default); array: the positional form (older vLLM, "
+        "llm-d's decoder)",
+    )
     t = p.add_argument_group("KV tiers below the pool (prefix caching; none by default)")
     t.add_argument("--host-tier-bytes", type=int, default=0, help="host RAM tier capacity")
     t.add_argument("--disk-tier", metavar="DIR", help="local disk tier folder (survives restarts)")
@@ -171,6 +178,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stall_timeout_s=args.stall_timeout,
         kv_events=args.kv_events,
         kv_events_replay=args.kv_events_replay,
+        kv_events_format=args.kv_events_format,
     )
     print(
         banner(settings.model_name, args.host, args.port, settings.api_key is not None), flush=True

@@ -14,8 +14,13 @@ vLLM's events without groups. A hybrid cache's events carry their block group
 Any msgpack reader can decode it, and vLLM's own `msgspec` decoder for `KVEventBatch` does
 (tests/routing/test_kv_event_codec.py).
 
-`decode_batch` also reads the older array form (`["BlockStored", hashes, ...]`) and skips event
-types it does not know, so a follower keeps up with newer publishers.
+The array form (`form="array"`): each event is a msgpack array, the tag and then the fields in
+vLLM's order, what msgspec writes for vLLM's event structs declared `array_like` (the form vLLM
+published before its named-field events, vLLM #42892, and the one positional decoders such as
+llm-d's expect). Fields after the last one set are left off, never those without a default in
+vLLM (BlockStored's first seven, BlockRemoved's first two), so a decoder of the older, shorter
+structs reads it too. `decode_batch` reads both forms and skips event types it does not know,
+so a follower keeps up with newer publishers.
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size",
 STORED_FIELDS += ("medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind")
 STORED_FIELDS += ("kv_cache_spec_sliding_window",)
 REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+REQUIRED_FIELDS = {"BlockStored": 7, "BlockRemoved": 2, "AllBlocksCleared": 0}  # no default
+FIELDS = {"BlockStored": STORED_FIELDS, "BlockRemoved": REMOVED_FIELDS, "AllBlocksCleared": ()}
+EVENT_FORMS = ("map", "array")
 
 
 class EventDecodeError(ValueError):
@@ -44,10 +52,26 @@ class EventBatch:
     data_parallel_rank: int | None = None
 
 
-def encode_batch(events: list[BlockEvent], ts: float, data_parallel_rank: int = 0) -> bytes:
-    """One batch's msgpack bytes (what a publisher sends as the payload frame)."""
-    body = [float(ts), [_encode_event(e) for e in events], data_parallel_rank]
+def encode_batch(
+    events: list[BlockEvent], ts: float, data_parallel_rank: int = 0, form: str = "map"
+) -> bytes:
+    """One batch's msgpack bytes (what a publisher sends as the payload frame); `form` is
+    "map" (vLLM's named-field events) or "array" (the positional form)."""
+    if form not in EVENT_FORMS:
+        raise ValueError(f"KV event form must be one of {EVENT_FORMS}, got {form!r}")
+    encoded = [_encode_event(e) for e in events]
+    if form == "array":
+        encoded = [_as_array(e) for e in encoded]
+    body = [float(ts), encoded, data_parallel_rank]
     return msgpack.packb(body, use_bin_type=True)
+
+
+def _as_array(event: dict[str, Any]) -> list[Any]:
+    """A named-field event as the tag, then its fields in order up to the last one set."""
+    kind = event["type"]
+    values = [event.get(f) for f in FIELDS[kind]]
+    keep = max([REQUIRED_FIELDS[kind]] + [i + 1 for i, v in enumerate(values) if v is not None])
+    return [kind, *values[:keep]]
 
 
 def _encode_event(event: BlockEvent) -> dict[str, Any]:
@@ -100,8 +124,7 @@ def decode_batch(payload: bytes) -> EventBatch:
 def _decode_event(raw: Any) -> BlockEvent | None:
     if isinstance(raw, list | tuple):  # the array form: the tag, then the fields in order
         kind = raw[0]
-        fields = STORED_FIELDS if kind == "BlockStored" else REMOVED_FIELDS
-        raw = {"type": kind, **dict(zip(fields, raw[1:], strict=False))}
+        raw = {"type": kind, **dict(zip(FIELDS.get(kind, ()), raw[1:], strict=False))}
     if not isinstance(raw, dict):
         raise EventDecodeError(f"an event must be a map or an array, got {type(raw).__name__}")
     kind = raw.get("type")

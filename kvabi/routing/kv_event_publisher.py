@@ -2,7 +2,8 @@
 
 A thread drains a `BlockEventLog` and sends each batch as three frames: the topic, the
 batch's sequence number (8 bytes, big-endian, from 0), and the msgpack payload
-(`kv_event_codec`). It keeps the last `buffer_steps` batches: with a replay endpoint (a ROUTER
+(`kv_event_codec`: vLLM's named-field events, or with `form="array"` the positional form
+older consumers decode). It keeps the last `buffer_steps` batches: with a replay endpoint (a ROUTER
 socket), a follower that sends `[b"", start_seq as 8 bytes big-endian]` gets every kept batch
 from `start_seq` as `[b"", topic, seq, payload]`, then `[b"", b"", -1 as 8 bytes, b""]`, the
 end marker (vLLM's replay protocol), so one that joined late or saw a gap catches up.
@@ -19,7 +20,7 @@ from collections import deque
 import zmq
 
 from kvabi.cache.block_events import BlockEventLog
-from kvabi.routing.kv_event_codec import encode_batch
+from kvabi.routing.kv_event_codec import EVENT_FORMS, encode_batch
 
 log = logging.getLogger("kvabi.kv_events")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -33,8 +34,11 @@ class KVEventPublisher:
         replay_endpoint: str | None = None,
         topic: str = "",
         buffer_steps: int = 10_000,
+        form: str = "map",
     ) -> None:
-        self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
+        if form not in EVENT_FORMS:
+            raise ValueError(f"KV event form must be one of {EVENT_FORMS}, got {form!r}")
+        self.endpoint, self.replay_endpoint, self.form = endpoint, replay_endpoint, form
         self.events, self.topic = events, topic.encode()
         self.num_sent = 0
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
@@ -76,7 +80,7 @@ class KVEventPublisher:
         batch = self.events.drain()
         if not batch:
             return
-        seq, payload = self.num_sent, encode_batch(batch, time.time())
+        seq, payload = self.num_sent, encode_batch(batch, time.time(), form=self.form)
         self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
         self._buffer.append((seq, payload))
         self.num_sent += 1

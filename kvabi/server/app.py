@@ -70,7 +70,9 @@ def create_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         events = None
         if settings.kv_events is not None:  # before the engine thread touches the pool
-            events = start_publisher(engine, settings.kv_events, settings.kv_events_replay)
+            events = start_publisher(
+                engine, settings.kv_events, settings.kv_events_replay, settings.kv_events_format
+            )
         engine_loop.start()
         try:
             if prefill is not None:

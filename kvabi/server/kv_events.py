@@ -32,13 +32,13 @@ tokenize_routes = APIRouter(prefix="/kvabi/tokenize")
 
 
 def start_publisher(
-    engine: LLMEngine, endpoint: str, replay_endpoint: str | None = None
+    engine: LLMEngine, endpoint: str, replay_endpoint: str | None = None, form: str = "map"
 ) -> KVEventPublisher:
     """Bind the publisher over the event log the engine was built with (`server_hooks`)."""
     events = engine.hooks.block_events
     if not isinstance(events, BlockEventLog):
         raise ValueError("kv_events: build the engine with server_hooks(settings) to publish")
-    return KVEventPublisher(endpoint, events, replay_endpoint).start()
+    return KVEventPublisher(endpoint, events, replay_endpoint, form=form).start()
 
 
 @tokenize_routes.post("/v1/completions")

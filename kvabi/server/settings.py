@@ -17,6 +17,7 @@ class ServerSettings:
     retry_after_s: int = 1  # told to clients refused for load
     kv_events: str | None = None  # ZMQ endpoint to publish block events on (vLLM's format)
     kv_events_replay: str | None = None  # ZMQ endpoint answering replay requests
+    kv_events_format: str = "map"  # vLLM's named-field events, or "array" (positional)
     stall_timeout_s: float = 30.0  # /health says 503 once work waits this long without progress
     header_timeout_s: float = HEADER_TIMEOUT_S
     body_timeout_s: float = BODY_TIMEOUT_S

@@ -186,3 +186,80 @@ def test_vllms_own_decoder_reads_a_hybrid_caches_groups():
     assert removed[0] == "BlockRemoved"
     assert (removed[1]["block_hashes"], removed[1]["group_idx"]) == ([h1.hex()], 0)
     assert ungrouped[1]["group_idx"] is None
+
+
+# The array form of EVENTS: each event the tag, then vLLM's fields in order up to the last set
+# one, never fewer than those without a default (BlockStored's seven, BlockRemoved's two)
+ARRAY_GOLDEN = bytes.fromhex(
+    "93cb3ff8000000000000"  # [1.5,
+    "93"  # [
+    "98ab426c6f636b53746f726564"  # ["BlockStored",
+    "91c40401010101c0920102"  # [b"\1\1\1\1"], None, [1, 2],
+    "02c0a3435055c0"  # 2, None, "CPU", None],
+    "93ac426c6f636b52656d6f76656491c40102a3435055"  # ["BlockRemoved", [b"\2"], "CPU"],
+    "91b0416c6c426c6f636b73436c6561726564"  # ["AllBlocksCleared"]],
+    "00"  # 0]
+)
+
+
+def test_the_array_form_is_the_golden_bytes_and_round_trips():
+    assert encode_batch(EVENTS, 1.5, 0, form="array") == ARRAY_GOLDEN
+    assert decode_batch(ARRAY_GOLDEN) == EventBatch(1.5, tuple(EVENTS), 0)
+    hybrid = encode_batch(HYBRID, 1.5, 0, form="array")
+    first = msgpack.unpackb(hybrid)[1][0]
+    assert first[8:] == [None, 0, "sliding_window", 4]  # extra_keys None, then the group fields
+    assert decode_batch(hybrid) == EventBatch(1.5, tuple(HYBRID), 0)
+    with pytest.raises(ValueError, match="form"):
+        encode_batch(EVENTS, 1.5, 0, form="json")
+
+
+# vLLM 0.32's own event structs, declared array_like (the positional form): its decoder reads
+# our array batches, and what its encoder writes for the decoded events our decoder reads back
+VLLM_ARRAY = """
+import sys, json, msgspec
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+class S(BlockStored, array_like=True, tag="BlockStored"): pass
+class R(BlockRemoved, array_like=True, tag="BlockRemoved"): pass
+class C(AllBlocksCleared, array_like=True, tag="AllBlocksCleared"): pass
+class Batch(EventBatch):
+    events: list[S | R | C]
+batch = msgspec.msgpack.Decoder(Batch).decode(sys.stdin.buffer.read())
+fields = [[type(e).__name__] + [getattr(e, f) for f in e.__struct_fields__] for e in batch.events]
+hexed = lambda v: v.hex() if isinstance(v, bytes) else [hexed(x) for x in v] if isinstance(
+    v, list) else v
+print("RESULT " + json.dumps([hexed(f) for f in fields]))
+print("BYTES " + msgspec.msgpack.encode(batch).hex())
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm with vLLM installed")
+def test_vllms_array_like_structs_read_our_array_form_and_we_read_theirs():
+    h1, h2 = bytes(range(32)), bytes(range(32, 64))
+    events = [
+        BlockStored((h1, h2), None, tuple(range(8)), 4, "CPU"),
+        BlockStored((h2,), h1, (8, 9, 10, 11), 4, "CPU", 1, "sliding_window", 6),
+        BlockRemoved((h2, h1), "CPU", 0),
+        BlockRemoved((h1,), "CPU"),
+        AllBlocksCleared(),
+    ]
+    run = subprocess.run(
+        [str(VLLM_PYTHON), "-c", VLLM_ARRAY],
+        input=encode_batch(events, 3.0, 0, form="array"),
+        capture_output=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    lines = run.stdout.decode().splitlines()
+    fields = json.loads(next(x for x in lines if x.startswith("RESULT "))[len("RESULT ") :])
+    assert (
+        fields[0] == ["S", [h1.hex(), h2.hex()], None, list(range(8)), 4, None, "CPU"] + [None] * 8
+    )
+    assert fields[1][:8] == ["S", [h2.hex()], h1.hex(), [8, 9, 10, 11], 4, None, "CPU", None]
+    assert fields[1][8:12] == [None, 1, "sliding_window", 6]
+    assert fields[2][:4] == ["R", [h2.hex(), h1.hex()], "CPU", 0]
+    assert fields[3][:4] == ["R", [h1.hex()], "CPU", None]
+    assert fields[4] == ["C"]
+    theirs = bytes.fromhex(next(x for x in lines if x.startswith("BYTES "))[len("BYTES ") :])
+    assert msgpack.unpackb(theirs)[1][0][0] == "BlockStored"  # arrays, vLLM's tags
+    assert decode_batch(theirs) == EventBatch(3.0, tuple(events), 0)

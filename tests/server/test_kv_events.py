@@ -16,7 +16,8 @@ from tests.server.tiny_server import app_for, tiny_chat_engine, with_client
 IDS = [5, 6, 7, 8, 9, 10, 11, 12, 13]  # two full blocks of 4, and one token more
 
 
-def test_a_request_publishes_its_full_blocks_with_their_exact_hashes():
+@pytest.mark.parametrize("form", ["map", "array"])
+def test_a_request_publishes_its_full_blocks_with_their_exact_hashes(form):
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     engine = tiny_chat_engine(server_hooks(ServerSettings("tiny", kv_events=endpoint)))
     ctx = zmq.Context()
@@ -32,24 +33,25 @@ def test_a_request_publishes_its_full_blocks_with_their_exact_hashes():
         return sub.recv_multipart()
 
     try:
-        topic, seq, payload = with_client(app_for(engine, kv_events=endpoint), run)
+        app = app_for(engine, kv_events=endpoint, kv_events_format=form)
+        topic, seq, payload = with_client(app, run)
     finally:
         sub.close(linger=0)
         ctx.term()
     root = root_hash(engine.info.descriptor.model.compat_digest())
     assert (topic, int.from_bytes(seq, "big")) == (b"", 0)
-    assert msgpack.unpackb(payload)[1] == [
-        {
-            "type": "BlockStored",
-            "block_hashes": hash_blocks(IDS[:8], 4, root),
-            "parent_block_hash": None,
-            "token_ids": IDS[:8],
-            "block_size": 4,
-            "lora_id": None,
-            "medium": "CPU",
-            "lora_name": None,
-        }
-    ]
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": hash_blocks(IDS[:8], 4, root),
+        "parent_block_hash": None,
+        "token_ids": IDS[:8],
+        "block_size": 4,
+        "lora_id": None,
+        "medium": "CPU",
+        "lora_name": None,
+    }
+    want = stored if form == "map" else list(stored.values())  # array: the tag, fields in order
+    assert msgpack.unpackb(payload)[1] == [want]
     assert engine.cache.pool.events is engine.hooks.block_events is not None
 
 
