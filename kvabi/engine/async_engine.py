@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvabi.engine.engine import LLMEngine
@@ -49,6 +49,7 @@ class EngineSnapshot:
     cache_stats: dict[str, float]
     has_work: bool = False
     cache_tags: tuple[str, ...] = ()  # request tags whose figures are in cache_stats
+    spec_stats: dict[str, float] = field(default_factory=dict)  # with speculative decoding
 
 
 class RequestObserver(Protocol):
@@ -220,6 +221,7 @@ class AsyncEngine:
             cache_stats=dict(stats()) if callable(stats) else {},
             has_work=self.engine.has_unfinished(),
             cache_tags=self.engine.cache_tags(),
+            spec_stats=_spec_stats(self.engine),
         )
 
     def _call_soon(self, fn: Callable[..., None], *args: object) -> None:
@@ -286,3 +288,11 @@ def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None)
         future.set_exception(exc)
     else:
         future.set_result(result)
+
+
+def _spec_stats(engine: object) -> dict[str, float]:
+    """Speculative decoding's counters, when the engine speculates (spec_decode.py)."""
+    config = getattr(engine, "config", None)
+    if getattr(config, "speculative", None) is None:
+        return {}
+    return engine.spec_stats.flat()  # type: ignore[attr-defined]

@@ -33,8 +33,9 @@ from kvabi.engine.paged_attention import LayerKV, PagedAttention
 from kvabi.engine.runner import ModelRunner
 from kvabi.engine.sampler import sample
 from kvabi.engine.sampling_params import SamplingParams
-from kvabi.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from kvabi.engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler, SchedulerConfig
 from kvabi.engine.sequence import Sequence
+from kvabi.engine.spec_decode import SpecConfig, SpecStats, greedy_accept, next_backoff
 from kvabi.models.registry import LoadedModel
 
 log = logging.getLogger("kvabi.engine")
@@ -67,6 +68,7 @@ class EngineConfig:
     fused_decode: bool = True  # decode-only steps in one C++ call where it can (fused_decode.py)
     enable_prefix_caching: bool = True
     tiers: TierConfig = TierConfig()  # host / disk / Redis below the pool; default: none
+    speculative: str | None = None  # e.g. "ngram:k=4,min=1,max=3" (spec_decode.py); off
 
     def __post_init__(self) -> None:
         if self.tiers.is_enabled and not self.enable_prefix_caching:
@@ -78,6 +80,8 @@ class EngineConfig:
             raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1, got {self.num_blocks}")
+        if self.speculative is not None:
+            SpecConfig.parse(self.speculative)
 
 
 @dataclass(frozen=True)
@@ -128,9 +132,15 @@ class LLMEngine:
             config.tiers,
             hooks.block_events,
         )
+        spec = None if config.speculative is None else SpecConfig.parse(config.speculative)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.cache
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
+            self.cache,
+            None if spec is None else spec.proposer(),
+            self.info.max_model_len,
+            0 if spec is None else spec.max_batch,
         )
+        self.spec_stats = SpecStats()
         self._sessions: dict[str, int] = {}  # live requests per session
         attention = PagedAttention(LayerKV.of(self.cache), config.attention_backend)
         model, kernels = loaded.model, attention.kernels  # prepared at load (LoadedModel)
@@ -316,18 +326,44 @@ class LLMEngine:
         row = 0
         argmax = logits.argmax(dim=-1).tolist()  # one call for every greedy row of the step
         for s in batch.seqs:
+            if s.draft:
+                rows = len(s.draft) + 1
+                self._guarded(s.seq, self._verify, s, argmax[row : row + rows])
+                touched[s.seq.request_id] = None
+                row += rows
+                continue
             s.seq.num_computed = s.start + s.num_tokens
             self.scheduler.cache_computed(s.seq)
             if not s.samples:
                 continue
-            if not s.seq.is_finished:  # a sibling's failure may have ended it this step
-                try:
-                    self._next_token(s.seq, logits[row], argmax[row])
-                except Exception as exc:  # this request fails alone; the batch goes on
-                    self._fail(s.seq.request_id, exc)
+            self._guarded(s.seq, self._next_token, s.seq, logits[row], argmax[row])
             touched[s.seq.request_id] = None
             row += 1
         return list(touched)
+
+    def _guarded(self, seq: Sequence, fn: Callable[..., None], *args: object) -> None:
+        """Sample or verify for one sequence: if it raises, its request fails alone and the
+        batch goes on; a sibling's failure may have ended it this step already."""
+        if seq.is_finished:
+            return
+        try:
+            fn(*args)
+        except Exception as exc:
+            self._fail(seq.request_id, exc)
+
+    def _verify(self, s: ScheduledSeq, argmax: list[int]) -> None:
+        """Emit what greedy verification accepts; K/V counts as computed only for the last
+        token and the accepted draft tokens, and the rest is trimmed (spec_decode.py)."""
+        seq, emit = s.seq, greedy_accept(s.draft, argmax)
+        self.spec_stats.record(len(s.draft), len(emit) - 1)
+        seq.spec_backoff = seq.spec_skip = next_backoff(seq.spec_backoff, len(emit) - 1)
+        for i, token in enumerate(emit):
+            seq.num_computed = s.start + 1 + i  # before `token`: it may end the sequence
+            self.scheduler.cache_computed(seq)
+            self._append(seq, token, None)
+            if seq.is_finished:
+                return
+        self.scheduler.trim(seq)
 
     def _next_token(self, seq: Sequence, logits: torch.Tensor, argmax: int) -> None:
         if seq.params.n > 1 and not seq.output_ids and seq.index == 0:

@@ -31,8 +31,9 @@ class ModelRunner:
     def run(
         self, batch: ScheduledBatch, on_layer: Callable[[int], None] | None = None
     ) -> torch.Tensor:
-        """Compute the batch's tokens; return float32 logits [num sampling seqs, vocab], in the
-        order of the batch's sequences that sample this step. `on_layer(layer_id)` runs once
+        """Compute the batch's tokens; return float32 logits [num sampling rows, vocab], in the
+        order of the batch's sequences that sample this step (a sequence verifying a draft:
+        one row per scheduled token). `on_layer(layer_id)` runs once
         each layer's K/V of the step are stored (`PagedAttention.step`)."""
         ids, positions, ctxs, sample_rows = self._prepare(batch)
         if self.fused is not None and on_layer is None and not ctxs[0].prefills:
@@ -48,10 +49,13 @@ class ModelRunner:
         ids, positions, sample_rows = [], [], []
         start = 0
         for s in batch.seqs:
-            ids += s.seq.token_slice(s.start, s.start + s.num_tokens)
+            ids += s.seq.token_slice(s.start, s.start + s.num_tokens - len(s.draft))
+            ids += s.draft
             positions.append(torch.arange(s.start, s.start + s.num_tokens))
             start += s.num_tokens
-            if s.samples:
+            if s.draft:  # a verified draft: every position's logits
+                sample_rows += range(start - s.num_tokens, start)
+            elif s.samples:
                 sample_rows.append(start - 1)
         pos = torch.cat(positions)
         ctxs = tuple(self._group_context(batch.seqs, positions, pos, g) for g in self.groups)

@@ -30,6 +30,7 @@ from kvabi.cache.block_groups import BlockGroup
 from kvabi.cache.block_hasher import BlockKey
 from kvabi.cache.kv_cache import NO_MATCH, NULL_BLOCK, KVCache, MatchResult, held_blocks
 from kvabi.engine.sequence import SeqStatus, Sequence
+from kvabi.engine.spec_decode import Proposer
 
 
 @dataclass(frozen=True)
@@ -50,12 +51,13 @@ class SchedulerConfig:
 class ScheduledSeq:
     seq: Sequence
     start: int  # first position computed this step (= seq.num_computed before it)
-    num_tokens: int  # tokens computed this step
+    num_tokens: int  # tokens computed this step (the draft's among them)
+    draft: tuple[int, ...] = ()  # draft tokens verified after the last one (spec_decode.py)
 
     @property
     def samples(self) -> bool:
         """Whether this step brings the sequence level with its tokens, so it samples next."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+        return self.start + self.num_tokens - len(self.draft) == self.seq.num_tokens
 
 
 @dataclass(frozen=True)
@@ -80,8 +82,17 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: KVCache) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        cache: KVCache,
+        proposer: Proposer | None = None,
+        max_model_len: int = 0,
+        spec_max_batch: int = 0,
+    ) -> None:
         self.config = config
+        self.proposer, self.max_model_len = proposer, max_model_len
+        self.spec_max_batch = spec_max_batch  # speculate while at most this many run
         self.cache, self.pools, self.stats = cache, cache.pools, cache.stats
         self.groups: tuple[BlockGroup, ...] = cache.groups
         self.block_size = cache.block_size
@@ -112,10 +123,11 @@ class Scheduler:
             if seq.status != SeqStatus.RUNNING or budget == 0:
                 continue
             n = min(seq.num_tokens - seq.num_computed, budget)
-            if not self._reserve(seq, n, preempted):
+            draft = self._draft(seq, budget) if n == 1 else ()
+            if not self._reserve(seq, n + len(draft), preempted):
                 continue
-            scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
-            budget -= n
+            scheduled.append(ScheduledSeq(seq, seq.num_computed, n + len(draft), draft))
+            budget -= n + len(draft)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             hit = self._match(seq)
@@ -168,6 +180,32 @@ class Scheduler:
         """Each full block's key (hash and tokens): what the lower tiers are searched for."""
         hashes = self.block_hashes(seq)
         return self.cache.hasher.keys_of(hashes, seq.token_ids(), 0, len(hashes))
+
+    def trim(self, seq: Sequence) -> None:
+        """Free the blocks past `seq.num_computed` (a rejected draft's): none of them was
+        cached, so nothing reaches the prefix cache, the tiers or the KV events."""
+        keep = -(-seq.num_computed // self.block_size)
+        for g, table in zip(self.groups, seq.block_tables, strict=True):
+            self.pools[g.pool_id].free(held_blocks(table[keep:]))
+            del table[keep:]
+
+    def _draft(self, seq: Sequence, budget: int) -> tuple[int, ...]:
+        """A draft for a decoding greedy sequence, when the proposer has one and the step's
+        budget and free blocks take it (else none: it decodes one token)."""
+        p = seq.params
+        if self.proposer is None or not seq.output_ids or not p.is_greedy or p.logprobs is not None:
+            return ()
+        if len(self.running) > self.spec_max_batch:
+            return ()
+        if seq.spec_skip:
+            seq.spec_skip -= 1
+            return ()
+        k = min(self.proposer.k, budget - 1, p.max_tokens - len(seq.output_ids) - 1)
+        if k < 1:
+            return ()
+        draft = tuple(self.proposer.propose(seq.token_ids(), self.max_model_len, k))
+        self._release_window(seq)
+        return draft if draft and self._can_allocate(seq, 1 + len(draft)) else ()
 
     def _match(self, seq: Sequence) -> MatchResult:
         if not self.cache.is_prefix_caching:

@@ -56,6 +56,9 @@ class Sequence:
     num_cached_blocks: int = 0
     is_counted: bool = False
     is_promoted: bool = False
+    # Speculative decoding (spec_decode.py): steps left without drafting, and the last wait.
+    spec_skip: int = 0
+    spec_backoff: int = 0
 
     @property
     def block_ids(self) -> list[int]:

@@ -1,0 +1,112 @@
+"""Speculative decoding's settings, acceptance rule and counters.
+
+`kvabi serve --speculative ngram:k=4,min=1,max=3` (or `EngineConfig(speculative=...)`): each
+step, a decoding sequence whose proposer has a draft is scheduled for its last token plus the
+draft, in the same batch as the others (kvabi/engine/scheduler.py); the forward gives logits
+at every one of those positions and `greedy_accept` keeps the draft's longest prefix that
+equals the target's argmax, plus the target's own next token. The engine then rolls the
+sequence back to what was accepted (`Scheduler.trim`): rejected tokens' K/V never reach the
+prefix cache, the tiers or the KV events, which only ever see blocks of accepted tokens.
+
+Drafting backs off where it does not pay: a sequence whose draft was wholly rejected skips
+the next 1, 2, 4, ... 16 steps (`next_backoff`), and no sequence speculates while more than
+`batch` run (verification goes through the multi-query attention path, which at larger
+batches costs more than the accepted tokens save on a CPU).
+
+Only greedy sequences without logprobs speculate; others decode one token a step (sampling
+with temperature needs rejection sampling, not built yet).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvabi.engine.ngram_proposer import NgramProposer
+
+METHODS = ("ngram",)
+
+
+class Proposer(Protocol):
+    """What the scheduler asks for drafts (`NgramProposer`; tests script their own)."""
+
+    k: int  # draft tokens a step at most
+
+    def propose(
+        self, token_ids: Sequence[int], max_model_len: int, k: int | None = None
+    ) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    method: str = "ngram"
+    k: int = 4  # draft tokens a step at most
+    min_n: int = 1
+    max_n: int = 3
+    max_batch: int = 4  # speculate only while this many sequences run, at most
+
+    @classmethod
+    def parse(cls, text: str) -> SpecConfig:
+        """`ngram`, `ngram:k=4`, `ngram:k=4,min=2,max=5,batch=8` (vLLM's
+        num_speculative_tokens, prompt_lookup_min, prompt_lookup_max; the most running
+        sequences at which it still speculates)."""
+        method, _, options = text.partition(":")
+        if method not in METHODS:
+            raise ValueError(f"speculative: method must be one of {METHODS}, got {text!r}")
+        names = {"k": "k", "min": "min_n", "max": "max_n", "batch": "max_batch"}
+        values: dict[str, int] = {}
+        for item in filter(None, options.split(",")):
+            key, eq, value = item.partition("=")
+            if key not in names or not eq or not value.isdigit():
+                raise ValueError(f"speculative: expected k=, min=, max= or batch=N, got {item!r}")
+            values[names[key]] = int(value)
+        config = cls(method, **values)
+        config.proposer()  # validates the numbers
+        if config.max_batch < 1:
+            raise ValueError(f"speculative: batch must be >= 1, got {config.max_batch}")
+        return config
+
+    def proposer(self) -> NgramProposer:
+        return NgramProposer(self.k, self.min_n, self.max_n)
+
+
+def greedy_accept(draft: Sequence[int], argmax: Sequence[int]) -> list[int]:
+    """The tokens a greedy verification emits: the draft's longest prefix equal to the
+    target's argmax at each position, then the target's token after it (len(argmax) =
+    len(draft) + 1)."""
+    m = 0
+    while m < len(draft) and draft[m] == argmax[m]:
+        m += 1
+    return [*draft[:m], argmax[m]]
+
+
+MAX_BACKOFF = 16  # steps a sequence waits, at most, after a draft was wholly rejected
+
+
+def next_backoff(backoff: int, num_accepted: int) -> int:
+    """Steps a sequence skips drafting after this verification: none once a draft token was
+    accepted; else twice the last wait (1, 2, 4, ... up to MAX_BACKOFF), so text the prompt
+    does not predict costs few wasted verifications."""
+    return 0 if num_accepted else min(max(2 * backoff, 1), MAX_BACKOFF)
+
+
+@dataclass
+class SpecStats:
+    num_steps: int = 0  # sequence-steps that verified a draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        self.num_steps += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+
+    def flat(self) -> dict[str, float]:
+        rate = self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        return {
+            "spec_decode_num_drafts": self.num_steps,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_decode_acceptance_rate": rate,
+        }
