@@ -117,6 +117,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from kvabi.bench.mla_bench import run as run_mla
 
         run_mla(args.quick, args.json)
+    elif args.what == "spec":
+        from kvabi.bench.spec_bench import run as run_spec
+
+        run_spec(args.quick, args.json)
     return 0
 
 
@@ -151,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
             "vllm",
             "decode",
             "mla",
+            "spec",
         ],
     )
 

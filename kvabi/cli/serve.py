@@ -36,6 +36,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=32, help="sequences batched together")
     p.add_argument("--max-model-len", type=int, help="context window (default: the model's)")
     p.add_argument("--num-blocks", type=int, help="KV cache blocks (default: what 512 MiB holds)")
+    p.add_argument(
+        "--speculative",
+        metavar="SPEC",
+        help="speculative decoding, e.g. ngram:k=4,min=1,max=3 (prompt lookup; greedy requests)",
+    )
     p.add_argument("--max-queued", type=int, default=256, help="requests waiting, then 503")
     p.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
     p.add_argument(
@@ -191,6 +196,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         num_blocks=args.num_blocks,
+        speculative=args.speculative,
         tiers=tier_config(args),
         hooks=server_hooks(settings, disagg),
     )

@@ -102,6 +102,8 @@ class EngineCollector(Collector):
             "kvabi_preemptions", "sequences preempted (recomputed later)", value=s.num_preemptions
         )
         tagged = {f"tag_{tag}_{figure}" for tag in s.cache_tags for figure in TAG_FIGURES}
+        for name, value in s.spec_stats.items():  # vLLM's spec_decode_* names
+            yield _gauge(f"kvabi_{name}", "speculative decoding since start", value)
         for name, value in s.cache_stats.items():
             if name not in tagged:  # the rest are [a-z0-9_] (cache_stats.py)
                 yield _gauge(f"kvabi_cache_{name}", f"engine cache_stats()['{name}']", value)

@@ -110,3 +110,22 @@ def test_cache_salt_and_tag_reach_the_prefix_cache():
     assert first[hit] == other_tenant[hit] == 0  # another salt never shares blocks
     assert same_tenant[hit] > 0
     assert same_tenant["kvabi_cache_tag_queries", (("tag", "faq"),)] == 3
+
+
+def test_speculative_decodings_counters_reach_metrics():
+    engine = tiny_chat_engine(speculative="ngram:k=4")
+    body = {"prompt": [7, 3] * 9, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+
+    async def calls(client):
+        assert (await client.post("/v1/completions", json=body)).status_code == 200
+        await asyncio.sleep(0.1)  # the engine thread's snapshot after its last step
+        return (await client.get("/metrics")).text
+
+    m = scrape(with_client(app_for(engine), calls))
+    stats = engine.spec_stats
+    assert stats.num_accepted_tokens > 0
+    assert m["kvabi_spec_decode_num_draft_tokens", ()] == stats.num_draft_tokens
+    assert m["kvabi_spec_decode_num_accepted_tokens", ()] == stats.num_accepted_tokens
+    assert m["kvabi_spec_decode_num_drafts", ()] == stats.num_steps
+    plain = scrape(with_client(app_for(tiny_chat_engine()), lambda c: c.get("/metrics")).text)
+    assert not any(name.startswith("kvabi_spec_decode") for name, _ in plain)
