@@ -122,6 +122,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status != SeqStatus.RUNNING or budget == 0:
                 continue
+            self._release_window(seq)  # before counting what it needs
             n = min(seq.num_tokens - seq.num_computed, budget)
             draft = self._draft(seq, budget) if n == 1 else ()
             if not self._reserve(seq, n + len(draft), preempted):
@@ -204,7 +205,6 @@ class Scheduler:
         if k < 1:
             return ()
         draft = tuple(self.proposer.propose(seq.token_ids(), self.max_model_len, k))
-        self._release_window(seq)
         return draft if draft and self._can_allocate(seq, 1 + len(draft)) else ()
 
     def _match(self, seq: Sequence) -> MatchResult:
@@ -240,7 +240,6 @@ class Scheduler:
             seq.is_counted = True
 
     def _reserve(self, seq: Sequence, n: int, preempted: list[Sequence]) -> bool:
-        self._release_window(seq)
         while not self._can_allocate(seq, n):
             victim = self.running[-1]
             self._preempt(victim)
