@@ -14,18 +14,17 @@ transformers' `generate` at batch 1 with and without `prompt_lookup_num_tokens=4
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 import torch
 
 from kvabi.abi.table import print_table
+from kvabi.bench.decode_bench import _ran_on
 from kvabi.bench.report import write_json
 from kvabi.bench.spec_prompts import PROMPT_SETS
 from kvabi.engine.llm import LLM
 from kvabi.engine.sampling_params import SamplingParams
-from kvabi.models.cpu_kernels import cpu_name, kernel_status
 
 SPEC = "ngram:k=4,min=1,max=3"
 BATCHES = (1, 16)
@@ -122,23 +121,12 @@ def run(quick: bool, json_path: str | None) -> dict:
                 f"{k}_draft_tokens": fast["draft_tokens"],
                 f"{k}_identical_outputs": f"{same}/{len(base['outputs'])}",
             }
-    figures |= _hf({k: v for k, v in sets.items()}, max_tokens)
-    figures["ran_on"] = _ran_on(plain)
+    figures |= _hf(sets, max_tokens)
+    hf_path = f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}"
+    figures["ran_on"] = _ran_on(plain) | {"hf_cpu_path": hf_path}
     _print(figures)
     write_json(json_path, figures)
     return figures
-
-
-def _ran_on(llm: LLM) -> dict[str, Any]:
-    return {
-        "cpu": cpu_name(),
-        "cpus": len(os.sched_getaffinity(0)),
-        "torch_threads": torch.get_num_threads(),
-        "kernels": kernel_status(),
-        "attention_backend": llm.engine.config.attention_backend,
-        "fused_decode": llm.engine.runner.fused is not None,
-        "hf_cpu_path": f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}",
-    }
 
 
 def _print(f: dict[str, Any]) -> None:
