@@ -43,6 +43,7 @@ class HashScheme:
     root_rule: Callable[[RootInputs], bytes]
     key_from_end: bool = True  # event key: the last `key_bytes` bytes (else the first)
     empty_root: bool = False  # the root is b"" (no parent), as SGLang's first page has
+    salt_in_first_block: bool = False  # a cache salt is block 0's extra key (vLLM's chain)
     summary: str = ""
 
     def root(self, inputs: RootInputs = RootInputs()) -> bytes:
@@ -132,6 +133,7 @@ SCHEMES: dict[str, HashScheme] = {
             32,
             peers.vllm_cbor_block,
             lambda i: peers.vllm_cbor_root(_seed(i, peers.VLLM_DEFAULT_SEED)),
+            salt_in_first_block=True,
             summary="vLLM --prefix-caching-hash-algo sha256_cbor",
         ),
         HashScheme(
@@ -140,6 +142,7 @@ SCHEMES: dict[str, HashScheme] = {
             32,
             peers.vllm_pickle_block,
             lambda i: peers.vllm_pickle_root(_seed(i, peers.VLLM_DEFAULT_SEED)),
+            salt_in_first_block=True,
             summary="vLLM --prefix-caching-hash-algo sha256 (pickle)",
         ),
         HashScheme(
@@ -156,6 +159,7 @@ SCHEMES: dict[str, HashScheme] = {
             8,
             peers.vllm_cbor_block,
             lambda i: peers.vllm_cbor_root(_seed(i, "")),
+            salt_in_first_block=True,
             summary="llm-d sha256_cbor: vLLM's chain, keys the last 8 bytes (big-endian u64)",
         ),
         HashScheme(

@@ -97,7 +97,8 @@ class PrefixRouting:
             answer = r.json()
             ids, root = answer["token_ids"], bytes.fromhex(answer["hash_root"])
             sizes = self.index.block_sizes() or {int(answer["block_size"])}
-            hashes = self.hashing.hashes(ids, sizes, root, _cache_salt(body))
+            salt = _cache_salt(body) if self.hashing.takes_salt else None  # else: in `root`
+            hashes = self.hashing.hashes(ids, sizes, root, salt)
             return PromptHashes(len(ids), hashes)
         return None
 

@@ -19,8 +19,6 @@ from typing import Any
 
 from kvabi.abi.hash_schemes import HashScheme, RootInputs, get_scheme
 
-SALTED_FIRST_BLOCK = frozenset({"vllm-sha256-cbor", "vllm-sha256", "llm-d-sha256-cbor-64"})
-
 
 @dataclass(frozen=True)
 class PromptHashing:
@@ -34,6 +32,12 @@ class PromptHashing:
     @property
     def scheme(self) -> HashScheme:
         return get_scheme(self.scheme_name)
+
+    @property
+    def takes_salt(self) -> bool:
+        """Whether a request's cache salt enters its hashes here (the instance's root holds
+        it for kvabi's own scheme)."""
+        return self.scheme.salt_in_first_block
 
     def hashes(
         self,
@@ -56,6 +60,6 @@ class PromptHashing:
         return out
 
     def _extra_keys(self, num_blocks: int, cache_salt: str | None) -> list[Any] | None:
-        if not cache_salt or self.scheme_name not in SALTED_FIRST_BLOCK or not num_blocks:
+        if not cache_salt or not self.takes_salt or not num_blocks:
             return None
         return [(("cache_salt", cache_salt),)] + [None] * (num_blocks - 1)
