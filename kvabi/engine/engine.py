@@ -30,8 +30,9 @@ from kvabi.engine.fused_decode import FusedDecode
 from kvabi.engine.kv_budget import max_seq_tokens, pool_blocks
 from kvabi.engine.outputs import RequestOutput, request_delta
 from kvabi.engine.paged_attention import LayerKV, PagedAttention
+from kvabi.engine.rejection_sampler import rejection_accept
 from kvabi.engine.runner import ModelRunner
-from kvabi.engine.sampler import sample
+from kvabi.engine.sampler import sample, target_probs, token_logprob
 from kvabi.engine.sampling_params import SamplingParams
 from kvabi.engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler, SchedulerConfig
 from kvabi.engine.sequence import Sequence
@@ -327,10 +328,10 @@ class LLMEngine:
         argmax = logits.argmax(dim=-1).tolist()  # one call for every greedy row of the step
         for s in batch.seqs:
             if s.draft:
-                rows = len(s.draft) + 1
-                self._guarded(s.seq, self._verify, s, argmax[row : row + rows])
+                rows = slice(row, row + len(s.draft) + 1)
+                self._guarded(s.seq, self._verify, s, logits[rows], argmax[rows])
                 touched[s.seq.request_id] = None
-                row += rows
+                row = rows.stop
                 continue
             s.seq.num_computed = s.start + s.num_tokens
             self.scheduler.cache_computed(s.seq)
@@ -351,16 +352,21 @@ class LLMEngine:
         except Exception as exc:
             self._fail(seq.request_id, exc)
 
-    def _verify(self, s: ScheduledSeq, argmax: list[int]) -> None:
-        """Emit what greedy verification accepts; K/V counts as computed only for the last
-        token and the accepted draft tokens, and the rest is trimmed (spec_decode.py)."""
-        seq, emit = s.seq, greedy_accept(s.draft, argmax)
+    def _verify(self, s: ScheduledSeq, logits: torch.Tensor, argmax: list[int]) -> None:
+        """Emit what verification accepts (greedily, or by rejection sampling when the
+        sequence samples); K/V counts as computed only for the last token and the accepted
+        draft tokens, and the rest is trimmed (spec_decode.py)."""
+        seq, p = s.seq, s.seq.params
+        if p.is_greedy:
+            emit = greedy_accept(s.draft, argmax)
+        else:
+            emit = rejection_accept(s.draft, target_probs(logits, p), seq.generator)
         self.spec_stats.record(len(s.draft), len(emit) - 1)
         seq.spec_backoff = seq.spec_skip = next_backoff(seq.spec_backoff, len(emit) - 1)
         for i, token in enumerate(emit):
             seq.num_computed = s.start + 1 + i  # before `token`: it may end the sequence
             self.scheduler.cache_computed(seq)
-            self._append(seq, token, None)
+            self._append(seq, token, token_logprob(logits[i], token, p))
             if seq.is_finished:
                 return
         self.scheduler.trim(seq)

@@ -191,10 +191,10 @@ class Scheduler:
             del table[keep:]
 
     def _draft(self, seq: Sequence, budget: int) -> tuple[int, ...]:
-        """A draft for a decoding greedy sequence, when the proposer has one and the step's
-        budget and free blocks take it (else none: it decodes one token)."""
+        """A draft for a decoding sequence, when the proposer has one and the step's budget
+        and free blocks take it (else none: it decodes one token)."""
         p = seq.params
-        if self.proposer is None or not seq.output_ids or not p.is_greedy or p.logprobs is not None:
+        if self.proposer is None or not seq.output_ids:
             return ()
         if len(self.running) > self.spec_max_batch:
             return ()

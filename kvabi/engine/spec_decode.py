@@ -13,8 +13,9 @@ the next 1, 2, 4, ... 16 steps (`next_backoff`), and no sequence speculates whil
 `batch` run (verification goes through the multi-query attention path, which at larger
 batches costs more than the accepted tokens save on a CPU).
 
-Only greedy sequences without logprobs speculate; others decode one token a step (sampling
-with temperature needs rejection sampling, not built yet).
+A sequence that samples (temperature > 0) verifies by rejection sampling instead
+(rejection_sampler.py), which keeps the target's distribution; logprobs, when asked for, are
+the target's at each emitted token's position, as without speculation.
 """
 
 from __future__ import annotations
