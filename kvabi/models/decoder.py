@@ -21,6 +21,8 @@ from kvabi.models.cpu_kernels import CpuKernels
 
 class Decoder(nn.Module):
     embed_tokens: nn.Embedding
+    layers: nn.ModuleList
+    norm: nn.Module
     lm_head: nn.Linear | None
     logit_softcap: float | None = None  # Gemma's final softcapping: tanh(x / cap) * cap
 
@@ -44,7 +46,17 @@ class Decoder(nn.Module):
     def hidden_states(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn
     ) -> torch.Tensor:
-        raise NotImplementedError
+        """input_ids, positions: [num_tokens] -> final-normed hidden [num_tokens, hidden_size]."""
+        x = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        return self.norm(self.run_layers(x, positions, attn, range(len(self.layers))))
+
+    def run_layers(
+        self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionFn, layer_ids: range
+    ) -> torch.Tensor:
+        """The residual stream [num_tokens, hidden_size] after layers `layer_ids`, from `x`
+        before them: a forward in parts (early-exit speculation runs the first layers alone).
+        Models whose layers take more than the stream (Gemma 4's per-layer inputs) do not."""
+        raise NotImplementedError(f"{type(self).__name__} does not run its layers in parts")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.logit_weight)  # [num_tokens, vocab_size]
@@ -69,17 +81,14 @@ class TypedLayerDecoder(Decoder):
     """Layers of named types (`config.layer_types`: sliding, full), each type with its own RoPE
     table in `rotary`; embeddings, then the layers, then the final norm (Gemma 3, Laguna)."""
 
-    layers: nn.ModuleList
-    norm: nn.Module
     rotary: nn.ModuleDict
     config: Any
 
-    def hidden_states(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn
+    def run_layers(
+        self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionFn, layer_ids: range
     ) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> final-normed hidden [num_tokens, hidden_size]."""
-        x = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        tables = {kind: rotary(positions, x.dtype) for kind, rotary in self.rotary.items()}
-        for layer, kind in zip(self.layers, self.config.layer_types, strict=True):
-            x = layer(x, *tables[kind], attn)
-        return self.norm(x)
+        kinds = {self.config.layer_types[i] for i in layer_ids}
+        tables = {kind: self.rotary[kind](positions, x.dtype) for kind in kinds}
+        for i in layer_ids:
+            x = self.layers[i](x, *tables[self.config.layer_types[i]], attn)
+        return x

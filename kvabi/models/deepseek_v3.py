@@ -196,13 +196,11 @@ class DeepseekV3Model(Decoder):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def hidden_states(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn
+    def run_layers(
+        self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionFn, layer_ids: range
     ) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> final-normed hidden [num_tokens, hidden_size]."""
-        x = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         cos, sin = self.rotary(positions, torch.float32)  # [num_tokens, qk_rope_head_dim]
         cos, sin = (cos * self.cos_sin_factor).to(x.dtype), (sin * self.cos_sin_factor).to(x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return self.norm(x)
+        for i in layer_ids:
+            x = self.layers[i](x, cos, sin, attn)
+        return x

@@ -184,15 +184,13 @@ class LlamaModel(Decoder):
             layer.kernels = layer.self_attn.kernels = layer.mlp.kernels = kernels
         return self
 
-    def hidden_states(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn
+    def run_layers(
+        self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionFn, layer_ids: range
     ) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> final-normed hidden [num_tokens, hidden_size]."""
-        x = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         cos, sin = self.rotary(positions, x.dtype)  # [num_tokens, head_dim] each
-        for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return self.norm(x)
+        for i in layer_ids:
+            x = self.layers[i](x, cos, sin, attn)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.logits is not None:
