@@ -37,6 +37,7 @@ from kvabi.engine.sampling_params import SamplingParams
 from kvabi.engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler, SchedulerConfig
 from kvabi.engine.sequence import Sequence
 from kvabi.engine.spec_decode import SpecConfig, SpecStats, greedy_accept, next_backoff
+from kvabi.models.decoder import Decoder
 from kvabi.models.registry import LoadedModel
 
 log = logging.getLogger("kvabi.engine")
@@ -134,6 +135,9 @@ class LLMEngine:
             hooks.block_events,
         )
         spec = None if config.speculative is None else SpecConfig.parse(config.speculative)
+        if spec is not None and spec.exit_layer:
+            _check_early_exit(loaded, spec.exit_layer)
+        self.exit_layer = 0 if spec is None else spec.exit_layer  # early-exit drafting's E
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
             self.cache,
@@ -259,7 +263,11 @@ class LLMEngine:
         if not batch.seqs:
             return []
         self.num_computed_tokens += batch.num_tokens
-        logits = self.runner.run(batch, self._layer_hook(batch))
+        drafted = None
+        if self.exit_layer and any(s.draft for s in batch.seqs):
+            drafted = self.runner.draft(batch, self.exit_layer)  # fills the drafts
+            batch = drafted.batch
+        logits = self.runner.run(batch, self._layer_hook(batch), drafted)
         touched = self._postprocess(batch, logits)
         outputs = [request_delta(r, self.requests[r]) for r in touched]
         for out in outputs:
@@ -423,6 +431,19 @@ class LLMEngine:
         if _cut_at_stop(seq, len(new)):
             return "stop"
         return "length" if is_full else None  # add_request made sure the cache holds max_tokens
+
+
+def _check_early_exit(loaded: LoadedModel, exit_layer: int) -> None:
+    model = loaded.model
+    if not 1 <= exit_layer < len(model.layers):
+        raise ValueError(
+            f"speculative: exit must be in [1, {len(model.layers) - 1}], got {exit_layer}"
+        )
+    if type(model).run_layers is Decoder.run_layers:
+        raise ValueError(
+            f"speculative: early-exit needs a model that runs its layers in parts; "
+            f"{type(model).__name__} does not"
+        )
 
 
 def _cut_at_stop(seq: Sequence, num_new: int) -> bool:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from kvabi.cache.block_groups import BlockGroup
+from kvabi.engine.early_exit import Drafted, draft_rounds
 from kvabi.engine.fused_decode import FusedDecode
 from kvabi.engine.paged_attention import PagedAttention, SeqSlice, StepContext
 from kvabi.engine.scheduler import ScheduledBatch, ScheduledSeq
@@ -29,18 +30,64 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(
-        self, batch: ScheduledBatch, on_layer: Callable[[int], None] | None = None
+        self,
+        batch: ScheduledBatch,
+        on_layer: Callable[[int], None] | None = None,
+        drafted: Drafted | None = None,
     ) -> torch.Tensor:
         """Compute the batch's tokens; return float32 logits [num sampling rows, vocab], in the
         order of the batch's sequences that sample this step (a sequence verifying a draft:
         one row per scheduled token). `on_layer(layer_id)` runs once
-        each layer's K/V of the step are stored (`PagedAttention.step`)."""
+        each layer's K/V of the step are stored (`PagedAttention.step`). With `drafted`
+        (early_exit.py), the drafted rows start at the exit layer from its kept streams."""
+        if drafted is not None:
+            return self._verify_from_exit(drafted, on_layer)
         ids, positions, ctxs, sample_rows = self._prepare(batch)
         if self.fused is not None and on_layer is None and not ctxs[0].prefills:
             hidden = self.fused.hidden_states(ids, positions, ctxs[0])
             return self.model.compute_logits(hidden[sample_rows]).float()
         with self.attention.step(ctxs, on_layer):
             hidden = self.model.hidden_states(ids, positions, self.attention)
+        return self.model.compute_logits(hidden[sample_rows]).float()
+
+    @torch.inference_mode()
+    def draft(self, batch: ScheduledBatch, exit_layer: int) -> Drafted:
+        """Early-exit drafting for the batch's speculating sequences (early_exit.py)."""
+        return draft_rounds(self, batch, exit_layer)
+
+    def run_layers(
+        self,
+        seqs: tuple[ScheduledSeq, ...],
+        ids: list[int],
+        layer_ids: range,
+        on_layer: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Embed `ids` (the tokens `seqs` compute, in order) and run only `layer_ids` over the
+        paged cache; return the residual stream after them [len(ids), hidden]."""
+        positions = [torch.arange(s.start, s.start + s.num_tokens) for s in seqs]
+        pos = torch.cat(positions)
+        ctxs = tuple(self._group_context(seqs, positions, pos, g) for g in self.groups)
+        x = self.model.embed_tokens(torch.tensor(ids, dtype=torch.long))
+        with self.attention.step(ctxs, on_layer):
+            return self.model.run_layers(x, pos, self.attention, layer_ids)
+
+    def _verify_from_exit(
+        self, drafted: Drafted, on_layer: Callable[[int], None] | None
+    ) -> torch.Tensor:
+        """Phase 2 of early-exit speculation: the other sequences' first layers, then every
+        row through the layers after the exit."""
+        batch, exit_layer = drafted.batch, drafted.exit_layer
+        ids, positions, ctxs, sample_rows = self._prepare(batch)
+        rows = torch.cat([torch.full((s.num_tokens,), bool(s.draft)) for s in batch.seqs])
+        x = torch.empty(len(ids), drafted.hidden.shape[-1], dtype=drafted.hidden.dtype)
+        x[rows] = drafted.hidden
+        rest = tuple(s for s in batch.seqs if not s.draft)
+        if rest:
+            rest_ids = ids[~rows].tolist()
+            x[~rows] = self.run_layers(rest, rest_ids, range(exit_layer), on_layer)
+        with self.attention.step(ctxs, on_layer):
+            layers = range(exit_layer, len(self.model.layers))
+            hidden = self.model.norm(self.model.run_layers(x, positions, self.attention, layers))
         return self.model.compute_logits(hidden[sample_rows]).float()
 
     def _prepare(

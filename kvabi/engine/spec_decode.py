@@ -26,7 +26,8 @@ from typing import Protocol
 
 from kvabi.engine.ngram_proposer import NgramProposer
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "early-exit")
+PENDING = -1  # a draft slot an early-exit drafter fills in the step itself (early_exit.py)
 
 
 class Proposer(Protocol):
@@ -46,30 +47,51 @@ class SpecConfig:
     min_n: int = 1
     max_n: int = 3
     max_batch: int = 4  # speculate only while this many sequences run, at most
+    exit_layer: int = 0  # early-exit: the draft is the first exit_layer layers
 
     @classmethod
     def parse(cls, text: str) -> SpecConfig:
         """`ngram`, `ngram:k=4`, `ngram:k=4,min=2,max=5,batch=8` (vLLM's
         num_speculative_tokens, prompt_lookup_min, prompt_lookup_max; the most running
-        sequences at which it still speculates)."""
+        sequences at which it still speculates); `early-exit:k=4,exit=8` (the draft is the
+        target's first 8 layers; transformers' assistant_early_exit)."""
         method, _, options = text.partition(":")
         if method not in METHODS:
             raise ValueError(f"speculative: method must be one of {METHODS}, got {text!r}")
         names = {"k": "k", "min": "min_n", "max": "max_n", "batch": "max_batch"}
+        names["exit"] = "exit_layer"
         values: dict[str, int] = {}
         for item in filter(None, options.split(",")):
             key, eq, value = item.partition("=")
             if key not in names or not eq or not value.isdigit():
-                raise ValueError(f"speculative: expected k=, min=, max= or batch=N, got {item!r}")
+                raise ValueError(f"speculative: expected {'=, '.join(names)}=N, got {item!r}")
             values[names[key]] = int(value)
         config = cls(method, **values)
-        config.proposer()  # validates the numbers
+        NgramProposer(config.k, config.min_n, config.max_n)  # validates k, min and max
         if config.max_batch < 1:
             raise ValueError(f"speculative: batch must be >= 1, got {config.max_batch}")
+        if (method == "early-exit") != (config.exit_layer > 0):
+            raise ValueError(f"speculative: exit=N (N >= 1) is early-exit's only, got {text!r}")
         return config
 
-    def proposer(self) -> NgramProposer:
+    def proposer(self) -> NgramProposer | EarlyExitDrafter:
+        if self.method == "early-exit":
+            return EarlyExitDrafter(self.k, self.exit_layer)
         return NgramProposer(self.k, self.min_n, self.max_n)
+
+
+@dataclass(frozen=True)
+class EarlyExitDrafter:
+    """The scheduler's proposer for early-exit speculation: k placeholder slots a step, which
+    the runner's draft rounds fill (early_exit.py)."""
+
+    k: int
+    exit_layer: int
+
+    def propose(
+        self, token_ids: Sequence[int], max_model_len: int, k: int | None = None
+    ) -> list[int]:
+        return [PENDING] * min(self.k if k is None else k, max_model_len - len(token_ids))
 
 
 def greedy_accept(draft: Sequence[int], argmax: Sequence[int]) -> list[int]:
