@@ -1,4 +1,5 @@
-"""`kvabi bench spec`: speculative decoding (n-gram prompt lookup) against plain decoding.
+"""`kvabi bench spec`: speculative decoding (n-gram prompt lookup; early exit at batch 1)
+against plain decoding.
 
 The bundled SmolLM2-135M-Instruct in bf16, greedy, chat-templated prompts of two kinds
 (kvabi/bench/spec_prompts.py): input-grounded ones, whose answer copies the prompt, and
@@ -27,6 +28,9 @@ from kvabi.engine.llm import LLM
 from kvabi.engine.sampling_params import SamplingParams
 
 SPEC = "ngram:k=4,min=1,max=3"
+# SmolLM2 was not trained for early exit (LayerSkip was): its half-depth drafts are a
+# measured case of a self-drafter the model does not support, where backoff must limit the cost.
+EARLY_EXIT = "early-exit:k=3,exit=15"
 BATCHES = (1, 16)
 
 
@@ -70,6 +74,19 @@ def _kvabi(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int) -> d
     }
 
 
+def _early_exit(
+    llm: LLM, prompts: list[list[int]], max_tokens: int, base: dict[str, Any], k: str
+) -> dict[str, Any]:
+    fast = _kvabi(llm, prompts, 1, max_tokens)
+    same = sum(a == b for a, b in zip(base["outputs"], fast["outputs"], strict=True))
+    return {
+        f"{k}_early_exit_tok_s": fast["tok_s"],
+        f"{k}_early_exit_speedup_ratio": fast["tok_s"] / base["tok_s"],
+        f"{k}_early_exit_acceptance": fast["acceptance"],
+        f"{k}_early_exit_identical_outputs": f"{same}/{len(base['outputs'])}",
+    }
+
+
 def _hf(prompt_sets: dict[str, list[list[int]]], max_tokens: int) -> dict[str, float]:
     """transformers' greedy generate at batch 1, with and without prompt lookup."""
     import transformers
@@ -104,10 +121,15 @@ def run(quick: bool, json_path: str | None) -> dict:
     spec = LLM.from_loaded(
         plain.engine.loaded, "bench", speculative=SPEC, enable_prefix_caching=False
     )
+    early = LLM.from_loaded(
+        plain.engine.loaded, "bench", speculative=EARLY_EXIT, enable_prefix_caching=False
+    )
     sets = {k: _prompt_ids(plain, v[:per_set]) for k, v in PROMPT_SETS.items()}
-    for llm in (plain, spec):  # warm-up: kernels built, allocator grown
+    for llm in (plain, spec, early):  # warm-up: kernels built, allocator grown
         _generate(llm, sets["grounded"][:1], 16)
-    figures: dict[str, Any] = {"max_tokens": max_tokens, "prompts_per_set": per_set, "spec": SPEC}
+    figures: dict[str, Any] = {
+        "max_tokens": max_tokens, "prompts_per_set": per_set, "spec": SPEC, "early_exit": EARLY_EXIT
+    }  # fmt: skip
     for kind, prompts in sets.items():
         for batch in BATCHES:
             base, fast = (_kvabi(llm, prompts, batch, max_tokens) for llm in (plain, spec))
@@ -121,6 +143,8 @@ def run(quick: bool, json_path: str | None) -> dict:
                 f"{k}_draft_tokens": fast["draft_tokens"],
                 f"{k}_identical_outputs": f"{same}/{len(base['outputs'])}",
             }
+            if batch == 1:
+                figures |= _early_exit(early, prompts, max_tokens, base, k)
     figures |= _hf(sets, max_tokens)
     hf_path = f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}"
     figures["ran_on"] = _ran_on(plain) | {"hf_cpu_path": hf_path}
@@ -138,13 +162,20 @@ def _print(f: dict[str, Any]) -> None:
                 [kind, batch, f[f"{k}_plain_tok_s"], f[f"{k}_spec_tok_s"], f[f"{k}_speedup_ratio"],
                  f[f"{k}_acceptance"], f[f"{k}_identical_outputs"]]
             )  # fmt: skip
+        k = f"{kind}_batch1"
+        rows.append(
+            [kind, "1 (early-exit)", f[f"{k}_plain_tok_s"], f[f"{k}_early_exit_tok_s"],
+             f[f"{k}_early_exit_speedup_ratio"], f[f"{k}_early_exit_acceptance"],
+             f[f"{k}_early_exit_identical_outputs"]]
+        )  # fmt: skip
         rows.append(
             [kind, "1 (HF)", f[f"hf_{kind}_plain_tok_s"], f[f"hf_{kind}_lookup_tok_s"],
              f[f"hf_{kind}_lookup_speedup_ratio"], "", ""]
         )  # fmt: skip
     print_table(
         f"kvabi bench spec: SmolLM2-135M bf16, greedy, up to {f['max_tokens']} tokens, "
-        f"{f['prompts_per_set']} prompts per kind; {f['spec']} vs plain decoding (tokens/s)",
+        f"{f['prompts_per_set']} prompts per kind; {f['spec']} (early-exit rows: "
+        f"{f['early_exit']}) vs plain decoding (tokens/s)",
         ["prompts", "batch", "plain tok/s", "spec tok/s", "spec/plain", "accepted", "identical"],
         rows,
     )

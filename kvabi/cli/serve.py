@@ -39,7 +39,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speculative",
         metavar="SPEC",
-        help="speculative decoding, e.g. ngram:k=4,min=1,max=3 (prompt lookup; greedy requests)",
+        help="speculative decoding: ngram:k=4,min=1,max=3 (prompt lookup) or early-exit:k=3,exit=8 "
+        "(the first 8 layers draft); greedy and sampled requests",
     )
     p.add_argument("--max-queued", type=int, default=256, help="requests waiting, then 503")
     p.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
