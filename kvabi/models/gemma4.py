@@ -175,6 +175,19 @@ class ScaledEmbedding(nn.Embedding):
         return super().forward(ids) * scale.to(self.weight.dtype)
 
 
+def rotaries(config: Gemma4Config) -> nn.ModuleDict:
+    """One RoPE per layer type the config uses (its head_dim, theta and rotated fraction)."""
+    tables = {}
+    for layer_type in (SLIDING, FULL):
+        if layer_type in config.layer_types:
+            first = config.layer_types.index(layer_type)
+            rope, head_dim = config.layer_rope(first), config.layer_head_dim(first)
+            fraction = rope.partial_rotary_factor if rope.rope_type == "proportional" else 1.0
+            inv_freq = proportional_inv_freq(head_dim, rope.theta, fraction, rope.factor)
+            tables[layer_type] = FrequencyRope(inv_freq)
+    return nn.ModuleDict(tables)
+
+
 class Gemma4Model(Decoder):
     """`forward(input_ids, positions, attn) -> logits [num_tokens, vocab_size]`, as `LlamaModel`.
 
@@ -189,9 +202,7 @@ class Gemma4Model(Decoder):
         self.embed_tokens = ScaledEmbedding(config.vocab_size, hidden, hidden**0.5)
         self.layers = nn.ModuleList(Gemma4DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = Gemma4RMSNorm(hidden, config.rms_norm_eps)
-        self.rotary = nn.ModuleDict(
-            {kind: self._rotary(kind) for kind in (SLIDING, FULL) if kind in config.layer_types}
-        )
+        self.rotary = rotaries(config)
         ple = config.hidden_size_per_layer_input
         if ple:
             total = config.num_layers * ple
@@ -203,13 +214,6 @@ class Gemma4Model(Decoder):
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False)
-
-    def _rotary(self, layer_type: str) -> FrequencyRope:
-        first = self.config.layer_types.index(layer_type)
-        rope = self.config.layer_rope(first)
-        head_dim = self.config.layer_head_dim(first)
-        fraction = rope.partial_rotary_factor if rope.rope_type == "proportional" else 1.0
-        return FrequencyRope(proportional_inv_freq(head_dim, rope.theta, fraction, rope.factor))
 
     def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
         """PLE: (norm(projection of the embedding) + per-layer token embedding) / sqrt(2),
