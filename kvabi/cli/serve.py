@@ -39,8 +39,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speculative",
         metavar="SPEC",
-        help="speculative decoding: ngram:k=4,min=1,max=3 (prompt lookup) or early-exit:k=3,exit=8 "
-        "(the first 8 layers draft); greedy and sampled requests",
+        help="speculative decoding: ngram:k=4,min=1,max=3 (prompt lookup), early-exit:k=3,exit=8 "
+        "(the first 8 layers draft) or assistant:k=4 (a Gemma 4 assistant, --draft-model, "
+        "reading the target's cache); greedy and sampled requests",
+    )
+    p.add_argument(
+        "--draft-model",
+        metavar="PATH",
+        help="the drafter's HF folder for --speculative assistant:... (Gemma4AssistantForCausalLM)",
     )
     p.add_argument("--max-queued", type=int, default=256, help="requests waiting, then 503")
     p.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
@@ -198,6 +204,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         num_blocks=args.num_blocks,
         speculative=args.speculative,
+        draft_model=args.draft_model,
         tiers=tier_config(args),
         hooks=server_hooks(settings, disagg),
     )

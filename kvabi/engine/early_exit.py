@@ -13,7 +13,7 @@ A step in which sequences speculate runs in two phases (`ModelRunner.run` with `
 
 What a draft wrote past the accepted tokens lies past `num_computed`: the trim frees its
 blocks, and a later step overwrites the slots, as for any draft (spec_decode.py).
-The scheduler asks the drafter (`spec_decode.EarlyExitDrafter`) for k placeholder tokens
+The scheduler asks the drafter (`spec_decode.PendingDrafter`) for k placeholder tokens
 (`PENDING`), which phase 1 replaces; a placeholder left in a batch fails the embedding loudly.
 """
 

@@ -26,6 +26,7 @@ from kvabi.cache.block_events import BlockEventSink
 from kvabi.cache.block_groups import plan_groups
 from kvabi.cache.kv_cache import KVCache
 from kvabi.cache.tier_config import TierConfig
+from kvabi.engine.assistant_draft import AssistantDrafting
 from kvabi.engine.fused_decode import FusedDecode
 from kvabi.engine.kv_budget import max_seq_tokens, pool_blocks
 from kvabi.engine.outputs import RequestOutput, request_delta
@@ -38,6 +39,8 @@ from kvabi.engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler, Sche
 from kvabi.engine.sequence import Sequence
 from kvabi.engine.spec_decode import SpecConfig, SpecStats, greedy_accept, next_backoff
 from kvabi.models.decoder import Decoder
+from kvabi.models.gemma4 import Gemma4Model
+from kvabi.models.gemma4_assistant import load_gemma4_assistant
 from kvabi.models.registry import LoadedModel
 
 log = logging.getLogger("kvabi.engine")
@@ -71,6 +74,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     tiers: TierConfig = TierConfig()  # host / disk / Redis below the pool; default: none
     speculative: str | None = None  # e.g. "ngram:k=4,min=1,max=3" (spec_decode.py); off
+    draft_model: str | None = None  # speculative="assistant:...": its folder (assistant_draft.py)
 
     def __post_init__(self) -> None:
         if self.tiers.is_enabled and not self.enable_prefix_caching:
@@ -82,8 +86,11 @@ class EngineConfig:
             raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1, got {self.num_blocks}")
-        if self.speculative is not None:
-            SpecConfig.parse(self.speculative)
+        method = None if self.speculative is None else SpecConfig.parse(self.speculative).method
+        if (method == "assistant") != (self.draft_model is not None):
+            raise ValueError(
+                "draft_model: speculative='assistant:...' takes a draft model folder, and only it"
+            )
 
 
 @dataclass(frozen=True)
@@ -138,12 +145,18 @@ class LLMEngine:
         if spec is not None and spec.exit_layer:
             _check_early_exit(loaded, spec.exit_layer)
         self.exit_layer = 0 if spec is None else spec.exit_layer  # early-exit drafting's E
+        self.assistant = None  # the assistant drafter's step (assistant_draft.py), where set
+        if config.draft_model is not None:
+            self.assistant = _assistant(loaded, config.draft_model, LayerKV.of(self.cache))
+        windows = {g.group_id: g.window for g in self.cache.groups}
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
             self.cache,
             None if spec is None else spec.proposer(),
             self.info.max_model_len,
             0 if spec is None else spec.max_batch,
+            0 if self.assistant is None else self.assistant.window_slack(windows),
+            None if self.assistant is None else self.assistant.can_draft,
         )
         self.spec_stats = SpecStats()
         self._sessions: dict[str, int] = {}  # live requests per session
@@ -153,6 +166,7 @@ class LLMEngine:
         if config.fused_decode and self.cache.plan.is_uniform:
             fused = FusedDecode.build(model, self.cache.storage, kernels)
         self.runner = ModelRunner(model, attention, self.cache.groups, fused)
+        self.runner.keep_hidden = self.assistant is not None
         self.requests: dict[str, list[Sequence]] = {}
         self.num_computed_tokens = 0  # tokens run through the model, ever: progress
         self._ids = itertools.count()
@@ -267,6 +281,8 @@ class LLMEngine:
         if self.exit_layer and any(s.draft for s in batch.seqs):
             drafted = self.runner.draft(batch, self.exit_layer)  # fills the drafts
             batch = drafted.batch
+        if self.assistant is not None and any(s.draft for s in batch.seqs):
+            batch = self.assistant.fill(batch)
         logits = self.runner.run(batch, self._layer_hook(batch), drafted)
         touched = self._postprocess(batch, logits)
         outputs = [request_delta(r, self.requests[r]) for r in touched]
@@ -334,10 +350,13 @@ class LLMEngine:
         touched: dict[str, None] = {}
         row = 0
         argmax = logits.argmax(dim=-1).tolist()  # one call for every greedy row of the step
+        hidden = self.runner.hidden  # kept for an assistant drafter, else None
         for s in batch.seqs:
             if s.draft:
                 rows = slice(row, row + len(s.draft) + 1)
                 self._guarded(s.seq, self._verify, s, logits[rows], argmax[rows])
+                if hidden is not None:  # at the last accepted position (what drafts next)
+                    _keep_hidden(s.seq, hidden[row + s.seq.num_computed - 1 - s.start])
                 touched[s.seq.request_id] = None
                 row = rows.stop
                 continue
@@ -345,6 +364,8 @@ class LLMEngine:
             self.scheduler.cache_computed(s.seq)
             if not s.samples:
                 continue
+            if hidden is not None:
+                _keep_hidden(s.seq, hidden[row])
             self._guarded(s.seq, self._next_token, s.seq, logits[row], argmax[row])
             touched[s.seq.request_id] = None
             row += 1
@@ -406,6 +427,7 @@ class LLMEngine:
             child.num_computed = parent.num_computed
             child.block_hashes, child.hash_root = list(parent.block_hashes), parent.hash_root
             child.num_cached_blocks, child.is_counted = parent.num_cached_blocks, True
+            child.spec_hidden, child.spec_hidden_at = parent.spec_hidden, parent.spec_hidden_at
             self.requests[parent.request_id].append(child)
             self._append(child, *sample(logits, child.params, child.generator))
             if not child.is_finished:
@@ -444,6 +466,23 @@ def _check_early_exit(loaded: LoadedModel, exit_layer: int) -> None:
             f"speculative: early-exit needs a model that runs its layers in parts; "
             f"{type(model).__name__} does not"
         )
+
+
+def _assistant(loaded: LoadedModel, folder: str, kv: LayerKV) -> AssistantDrafting:
+    """The assistant drafter for `loaded` (a Gemma 4 target) from its HF folder."""
+    if not isinstance(loaded.model, Gemma4Model):
+        raise ValueError(
+            f"speculative: an assistant drafter needs a Gemma 4 target, "
+            f"not {type(loaded.model).__name__}"
+        )
+    assistant = load_gemma4_assistant(folder, loaded.model.config, loaded.model.dtype)
+    return AssistantDrafting(assistant, loaded.model, kv)
+
+
+def _keep_hidden(seq: Sequence, hidden: torch.Tensor) -> None:
+    """Keep the target's hidden state at position num_computed - 1 (it drafts the next step)."""
+    if not seq.is_finished and seq.num_computed - 1 >= 0:
+        seq.spec_hidden, seq.spec_hidden_at = hidden.clone(), seq.num_computed - 1
 
 
 def _cut_at_stop(seq: Sequence, num_new: int) -> bool:

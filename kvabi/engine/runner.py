@@ -27,6 +27,8 @@ class ModelRunner:
         self.groups = groups  # one block table per group per sequence
         self.fused = fused  # decode-only steps without a layer callback, where it applies
         self.block_size = attention.kv.block_size
+        self.keep_hidden = False  # keep `hidden`: the sampling rows' normed hidden states
+        self.hidden: torch.Tensor | None = None  # of the last `run`, where kept
 
     @torch.inference_mode()
     def run(
@@ -45,10 +47,14 @@ class ModelRunner:
         ids, positions, ctxs, sample_rows = self._prepare(batch)
         if self.fused is not None and on_layer is None and not ctxs[0].prefills:
             hidden = self.fused.hidden_states(ids, positions, ctxs[0])
-            return self.model.compute_logits(hidden[sample_rows]).float()
-        with self.attention.step(ctxs, on_layer):
-            hidden = self.model.hidden_states(ids, positions, self.attention)
-        return self.model.compute_logits(hidden[sample_rows]).float()
+        else:
+            with self.attention.step(ctxs, on_layer):
+                hidden = self.model.hidden_states(ids, positions, self.attention)
+        return self._logits(hidden[sample_rows])
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.hidden = hidden if self.keep_hidden else None
+        return self.model.compute_logits(hidden).float()
 
     @torch.inference_mode()
     def draft(self, batch: ScheduledBatch, exit_layer: int) -> Drafted:
@@ -88,7 +94,7 @@ class ModelRunner:
         with self.attention.step(ctxs, on_layer):
             layers = range(exit_layer, len(self.model.layers))
             hidden = self.model.norm(self.model.run_layers(x, positions, self.attention, layers))
-        return self.model.compute_logits(hidden[sample_rows]).float()
+        return self._logits(hidden[sample_rows])
 
     def _prepare(
         self, batch: ScheduledBatch

@@ -89,10 +89,15 @@ class Scheduler:
         proposer: Proposer | None = None,
         max_model_len: int = 0,
         spec_max_batch: int = 0,
+        window_slack: int = 0,
+        can_draft: Callable[[Sequence], bool] | None = None,
     ) -> None:
         self.config = config
         self.proposer, self.max_model_len = proposer, max_model_len
         self.spec_max_batch = spec_max_batch  # speculate while at most this many run
+        # keys a sliding group keeps before its window (a drafter reading further back)
+        self.window_slack = window_slack
+        self.can_draft = can_draft  # whether a sequence can draft now (default: any can)
         self.cache, self.pools, self.stats = cache, cache.pools, cache.stats
         self.groups: tuple[BlockGroup, ...] = cache.groups
         self.block_size = cache.block_size
@@ -196,6 +201,8 @@ class Scheduler:
         p = seq.params
         if self.proposer is None or not seq.output_ids:
             return ()
+        if self.can_draft is not None and not self.can_draft(seq):
+            return ()
         if len(self.running) > self.spec_max_batch:
             return ()
         if seq.spec_skip:
@@ -254,12 +261,14 @@ class Scheduler:
 
     def _release_window(self, seq: Sequence) -> None:
         """Free the blocks each sliding group's window no longer reaches: the step's first
-        query, at `num_computed`, sees keys from num_computed - window + 1 on. Released
-        blocks are a prefix of the table, so the scan stops at the first released one."""
+        query, at `num_computed`, sees keys from num_computed - window + 1 on (`window_slack`
+        keys more where a drafter reads them). Released blocks are a prefix of the table, so
+        the scan stops at the first released one."""
         for g, table in zip(self.groups, seq.block_tables, strict=True):
             if g.window == 0:
                 continue
-            first = max(seq.num_computed - g.window + 1, 0) // self.block_size
+            first = max(seq.num_computed - g.window + 1 - self.window_slack, 0)
+            first //= self.block_size
             i = min(first, len(table)) - 1
             released = []
             while i >= 0 and table[i] != NULL_BLOCK:

@@ -59,6 +59,10 @@ class Sequence:
     # Speculative decoding (spec_decode.py): steps left without drafting, and the last wait.
     spec_skip: int = 0
     spec_backoff: int = 0
+    # The target's normed hidden state at position `spec_hidden_at`, kept where an assistant
+    # drafts (assistant_draft.py), which it does only while that is num_computed - 1.
+    spec_hidden: torch.Tensor | None = None
+    spec_hidden_at: int = -1
 
     @property
     def block_ids(self) -> list[int]:

@@ -26,8 +26,8 @@ from typing import Protocol
 
 from kvabi.engine.ngram_proposer import NgramProposer
 
-METHODS = ("ngram", "early-exit")
-PENDING = -1  # a draft slot an early-exit drafter fills in the step itself (early_exit.py)
+METHODS = ("ngram", "early-exit", "assistant")
+PENDING = -1  # a draft slot the runner fills in the step itself (early exit, the assistant)
 
 
 class Proposer(Protocol):
@@ -54,7 +54,8 @@ class SpecConfig:
         """`ngram`, `ngram:k=4`, `ngram:k=4,min=2,max=5,batch=8` (vLLM's
         num_speculative_tokens, prompt_lookup_min, prompt_lookup_max; the most running
         sequences at which it still speculates); `early-exit:k=4,exit=8` (the draft is the
-        target's first 8 layers; transformers' assistant_early_exit)."""
+        target's first 8 layers; transformers' assistant_early_exit); `assistant:k=4` (a
+        Gemma 4 assistant drafter reading the target's cache: `EngineConfig.draft_model`)."""
         method, _, options = text.partition(":")
         if method not in METHODS:
             raise ValueError(f"speculative: method must be one of {METHODS}, got {text!r}")
@@ -74,19 +75,19 @@ class SpecConfig:
             raise ValueError(f"speculative: exit=N (N >= 1) is early-exit's only, got {text!r}")
         return config
 
-    def proposer(self) -> NgramProposer | EarlyExitDrafter:
-        if self.method == "early-exit":
-            return EarlyExitDrafter(self.k, self.exit_layer)
-        return NgramProposer(self.k, self.min_n, self.max_n)
+    def proposer(self) -> NgramProposer | PendingDrafter:
+        if self.method == "ngram":
+            return NgramProposer(self.k, self.min_n, self.max_n)
+        return PendingDrafter(self.k)
 
 
 @dataclass(frozen=True)
-class EarlyExitDrafter:
-    """The scheduler's proposer for early-exit speculation: k placeholder slots a step, which
-    the runner's draft rounds fill (early_exit.py)."""
+class PendingDrafter:
+    """The scheduler's proposer where the model drafts (early exit, the assistant): k
+    placeholder slots a step, which the runner fills before verifying (early_exit.py,
+    assistant_draft.py)."""
 
     k: int
-    exit_layer: int
 
     def propose(
         self, token_ids: Sequence[int], max_model_len: int, k: int | None = None
