@@ -12,9 +12,10 @@ past `num_computed` and are trimmed as usual.
 
 A sliding layer of the assistant reads the last `sliding_window + 1` keys before P, while the
 target's own window at P reaches back `window - 1`: the scheduler keeps the difference
-(`window_slack`) in the sliding groups' tables. A sequence drafts only while its kept hidden
-state is that of position num_computed - 1 (`can_draft`): after a disaggregated import, say,
-it decodes without drafting until a step of its own computed one.
+(`window_slack`) in the sliding groups' tables, and the pools' budget counts it. A sequence
+drafts only while its kept hidden state is that of position num_computed - 1 (`can_draft`):
+after a disaggregated import, say, it decodes without drafting until a step of its own
+computed one.
 """
 
 from __future__ import annotations
@@ -23,10 +24,24 @@ from dataclasses import replace
 
 import torch
 
+from kvabi.cache.block_groups import GroupPlan
 from kvabi.engine.paged_attention import LayerKV, SeqSlice
 from kvabi.engine.scheduler import ScheduledBatch, ScheduledSeq
 from kvabi.engine.sequence import Sequence
 from kvabi.models.gemma4_assistant import Gemma4Assistant, SharedKV, feeding_layers
+from kvabi.models.gemma4_config import Gemma4Config
+
+
+def window_slack(assistant: Gemma4Assistant, target: Gemma4Config, plan: GroupPlan) -> int:
+    """Keys a sliding group must keep before the target's window at P (window - 1 of them) so
+    that each sliding feeding layer's group holds the window + 1 the assistant reads."""
+    slack = 0
+    for kind, layer_id in feeding_layers(target).items():
+        need = assistant.window(kind) if kind in assistant.layer_types else 0
+        window = plan.groups[plan.layer_slots[layer_id][0]].window
+        if need and window:
+            slack = max(slack, need - (window - 1))
+    return slack
 
 
 class AssistantDrafting:
@@ -34,17 +49,6 @@ class AssistantDrafting:
         self.assistant, self.target, self.kv = assistant, target, kv
         feeding = feeding_layers(target.config)
         self.feeding = {kind: feeding[kind] for kind in dict.fromkeys(assistant.layer_types)}
-
-    def window_slack(self, windows: dict[int, int]) -> int:
-        """Keys the scheduler must keep before a sliding group's window (`windows`: group id
-        -> its window) so that each sliding feeding layer's group holds what the assistant
-        reads."""
-        slack = 0
-        for kind, layer_id in self.feeding.items():
-            need, window = self.assistant.window(kind), windows[self.kv.group_ids[layer_id]]
-            if need and window:
-                slack = max(slack, need - (window - 1))
-        return slack
 
     @staticmethod
     def can_draft(seq: Sequence) -> bool:

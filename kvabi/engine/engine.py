@@ -26,7 +26,7 @@ from kvabi.cache.block_events import BlockEventSink
 from kvabi.cache.block_groups import plan_groups
 from kvabi.cache.kv_cache import KVCache
 from kvabi.cache.tier_config import TierConfig
-from kvabi.engine.assistant_draft import AssistantDrafting
+from kvabi.engine.assistant_draft import AssistantDrafting, window_slack
 from kvabi.engine.fused_decode import FusedDecode
 from kvabi.engine.kv_budget import max_seq_tokens, pool_blocks
 from kvabi.engine.outputs import RequestOutput, request_delta
@@ -40,7 +40,7 @@ from kvabi.engine.sequence import Sequence
 from kvabi.engine.spec_decode import SpecConfig, SpecStats, greedy_accept, next_backoff
 from kvabi.models.decoder import Decoder
 from kvabi.models.gemma4 import Gemma4Model
-from kvabi.models.gemma4_assistant import load_gemma4_assistant
+from kvabi.models.gemma4_assistant import Gemma4Assistant, load_gemma4_assistant
 from kvabi.models.registry import LoadedModel
 
 log = logging.getLogger("kvabi.engine")
@@ -133,7 +133,8 @@ class LLMEngine:
     ) -> None:
         self.loaded, self.config, self.tokenizer = loaded, config, loaded.tokenizer
         self.hooks = hooks
-        self.info = self._start(loaded, config, fingerprint)
+        drafter = None if config.draft_model is None else _assistant(loaded, config.draft_model)
+        self.info, slack = self._start(loaded, config, fingerprint, drafter)
         self.cache = KVCache(
             self.info.descriptor,
             self.info.pool_blocks,
@@ -146,16 +147,15 @@ class LLMEngine:
             _check_early_exit(loaded, spec.exit_layer)
         self.exit_layer = 0 if spec is None else spec.exit_layer  # early-exit drafting's E
         self.assistant = None  # the assistant drafter's step (assistant_draft.py), where set
-        if config.draft_model is not None:
-            self.assistant = _assistant(loaded, config.draft_model, LayerKV.of(self.cache))
-        windows = {g.group_id: g.window for g in self.cache.groups}
+        if drafter is not None:
+            self.assistant = AssistantDrafting(drafter, loaded.model, LayerKV.of(self.cache))
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
             self.cache,
             None if spec is None else spec.proposer(),
             self.info.max_model_len,
             0 if spec is None else spec.max_batch,
-            0 if self.assistant is None else self.assistant.window_slack(windows),
+            slack,
             None if self.assistant is None else self.assistant.can_draft,
         )
         self.spec_stats = SpecStats()
@@ -172,7 +172,14 @@ class LLMEngine:
         self._ids = itertools.count()
 
     @staticmethod
-    def _start(loaded: LoadedModel, config: EngineConfig, fingerprint: str) -> EngineInfo:
+    def _start(
+        loaded: LoadedModel,
+        config: EngineConfig,
+        fingerprint: str,
+        drafter: Gemma4Assistant | None,
+    ) -> tuple[EngineInfo, int]:
+        """What the engine finds at start-up, and the keys its sliding groups keep before
+        their windows for `drafter` (counted in their blocks as part of a step's chunk)."""
         dtype = "bf16" if loaded.model.dtype == torch.bfloat16 else "f32"
         spec = model_spec(loaded, fingerprint)
         name = kv_layout_preset(config.kv_layout, spec)
@@ -180,13 +187,15 @@ class LLMEngine:
             desc = preset_descriptor(name, spec, block_size=config.block_size, dtype=dtype)
         else:
             desc = preset_descriptor(name, spec, block_size=config.block_size)
-        plan, chunk = plan_groups(desc.model), config.max_num_batched_tokens
+        plan = plan_groups(desc.model)
+        slack = 0 if drafter is None else window_slack(drafter, loaded.config, plan)
+        chunk = config.max_num_batched_tokens + slack
         max_len = config.max_model_len or loaded.config.max_position_embeddings
         blocks = (config.num_blocks,) * len(plan.pool_specs) if config.num_blocks else None
         blocks = blocks or pool_blocks(desc, plan, config.kv_cache_bytes, max_len, chunk)
         limit = sum(blocks) * config.block_size
         max_kv = max_seq_tokens(plan, blocks, config.block_size, chunk, limit)
-        return EngineInfo(desc, blocks, max_len, loaded.stop_token_ids, max_kv)
+        return EngineInfo(desc, blocks, max_len, loaded.stop_token_ids, max_kv), slack
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
@@ -468,15 +477,14 @@ def _check_early_exit(loaded: LoadedModel, exit_layer: int) -> None:
         )
 
 
-def _assistant(loaded: LoadedModel, folder: str, kv: LayerKV) -> AssistantDrafting:
+def _assistant(loaded: LoadedModel, folder: str) -> Gemma4Assistant:
     """The assistant drafter for `loaded` (a Gemma 4 target) from its HF folder."""
     if not isinstance(loaded.model, Gemma4Model):
         raise ValueError(
             f"speculative: an assistant drafter needs a Gemma 4 target, "
             f"not {type(loaded.model).__name__}"
         )
-    assistant = load_gemma4_assistant(folder, loaded.model.config, loaded.model.dtype)
-    return AssistantDrafting(assistant, loaded.model, kv)
+    return load_gemma4_assistant(folder, loaded.model.config, loaded.model.dtype)
 
 
 def _keep_hidden(seq: Sequence, hidden: torch.Tensor) -> None:

@@ -151,7 +151,13 @@ def test_sliding_groups_keep_the_keys_the_assistant_reads(pair: Pair) -> None:
     text = pair.hf_assistant.config.text_config
     target_window = test_gemma4.CONFIGS[pair.variant]["sliding_window"]
     eng = pair.engine(block_size=1)
-    assert eng.scheduler.window_slack == text.sliding_window + 1 - (target_window - 1)
+    slack = text.sliding_window + 1 - (target_window - 1)
+    assert eng.scheduler.window_slack == slack
+    budget = {"block_size": 1, "max_num_batched_tokens": 8, "kv_cache_bytes": 2**20}
+    plain = LLMEngine(pair.target, EngineConfig(**budget), "t").info.pool_blocks
+    spec = pair.engine(**budget).info.pool_blocks  # the budget counts the slack
+    (sliding,) = {g.pool_id for g in eng.cache.groups if g.window}
+    assert spec[sliding] / sum(spec) > plain[sliding] / sum(plain), (spec, plain)
     released: list[int] = []
     inner = eng.scheduler._release_window
 
