@@ -155,3 +155,35 @@ def test_bad_exits_are_refused():
     for text in ("early-exit:exit=4", "early-exit:exit=0", "early-exit:k=2", "ngram:exit=2"):
         with pytest.raises(ValueError, match="exit"):
             LLMEngine(loaded, EngineConfig(speculative=text), "t")
+
+
+@pytest.mark.parametrize("layout", ["vllm-mla", "vllm-fp8-ds-mla"])
+def test_an_mla_cache_matches(layout, tmp_path):
+    """DeepSeek-V3 MLA (the real 512 + 64 latent geometry), exit 1 of 2 with the second layer
+    damped: drafts write layer 0's latents into the paged latent cache (bf16 576 or fp8_ds_mla
+    records), verification runs layer 1 only; greedy tokens equal decoding without it."""
+    pytest.importorskip("transformers")
+    from kvabi.models import load_model
+    from tests.models import test_deepseek_v3
+    from tests.models.test_registry import _write_tokenizer
+    from tests.models.tiny import random_ids
+
+    hf = test_deepseek_v3.make_hf("plain-512")
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.startswith("model.layers.1.") and ("o_proj" in name or "down_proj" in name):
+                param.mul_(0.1)
+    hf.save_pretrained(tmp_path)
+    _write_tokenizer(tmp_path)
+    loaded = load_model(tmp_path, progress=False)
+    prompts = [random_ids(n, seed=30 + n).tolist() for n in (13, 6, 9)]
+    plain = LLMEngine(loaded, EngineConfig(block_size=4, kv_layout=layout), "t")
+    want = run(plain, prompts, greedy(16))
+    spec = "early-exit:k=3,exit=1,batch=32"
+    eng = LLMEngine(loaded, EngineConfig(block_size=4, kv_layout=layout, speculative=spec), "t")
+    assert run(eng, prompts, greedy(16)) == want
+    stats = eng.spec_stats
+    assert stats.num_draft_tokens > 20
+    assert 0.2 < stats.num_accepted_tokens / stats.num_draft_tokens < 1.0, stats
+    for pool in eng.cache.pools:
+        assert pool.num_free == pool.num_blocks
