@@ -10,12 +10,20 @@ one with `ngram:k=4,min=1,max=3`, both on the same loaded weights, measured in t
 outputs are token-identical to plain decoding's (bf16 verification runs several positions
 through other kernels than one-token decode, so a near-tie may round the other way; the fp32
 equality is a test: tests/engine/test_spec_decode.py). Baseline from another engine, same run:
-transformers' `generate` at batch 1 with and without `prompt_lookup_num_tokens=4`.
+transformers' `generate` at batch 1 with and without `prompt_lookup_num_tokens=4`, and, where
+`.venv-vllm` exists (scripts/setup_vllm.sh), vLLM with and without its own n-gram speculation
+(the same k, min and max) at both batch sizes (kvabi/bench/vllm_spec_worker.py, run with
+vLLM's interpreter on kvabi's HF export of the same weights); `*_vs_vllm_ratio` is kvabi's
+speculating tokens/s over vLLM's.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,10 +32,12 @@ from kvabi.abi.table import print_table
 from kvabi.bench.decode_bench import _ran_on
 from kvabi.bench.report import write_json
 from kvabi.bench.spec_prompts import PROMPT_SETS
+from kvabi.bench.throughput import ROOT, VLLM_PYTHON, hf_folder
 from kvabi.engine.llm import LLM
 from kvabi.engine.sampling_params import SamplingParams
 
 SPEC = "ngram:k=4,min=1,max=3"
+VLLM_NGRAM = "4,1,3"  # the same k, min, max in vLLM's speculative_config
 # SmolLM2 was not trained for early exit (LayerSkip was): its half-depth drafts are a
 # measured case of a self-drafter the model does not support, where backoff must limit the cost.
 EARLY_EXIT = "early-exit:k=3,exit=15"
@@ -115,6 +125,40 @@ def _hf(prompt_sets: dict[str, list[list[int]]], max_tokens: int) -> dict[str, f
     return out
 
 
+def _vllm(sets: dict[str, list[list[int]]], max_tokens: int) -> dict[str, Any]:
+    """vLLM's tokens/s with and without its n-gram speculation (two worker processes), or
+    why it did not run."""
+    if not VLLM_PYTHON.exists():
+        return {"vllm": "skipped: not installed (run scripts/setup_vllm.sh)"}
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = hf_folder("smollm2-135m-instruct", "bf16", Path(tmp) / "hf")
+        work = Path(tmp) / "workload.json"
+        work.write_text(json.dumps({"sets": sets, "max_tokens": max_tokens, "batches": BATCHES}))
+        for mode, extra in (("plain", []), ("ngram", ["--ngram", VLLM_NGRAM])):
+            result = Path(tmp) / f"{mode}.json"
+            worker = str(ROOT / "kvabi" / "bench" / "vllm_spec_worker.py")
+            cmd = [str(VLLM_PYTHON), worker, "--model-dir", str(folder), "--workload", str(work)]
+            done = subprocess.run(
+                [*cmd, "--out", str(result), *extra], capture_output=True, text=True, timeout=900
+            )
+            if done.returncode != 0:
+                return {"vllm": f"failed ({mode}): {done.stderr.strip().splitlines()[-1:]}"}
+            out[mode] = json.loads(result.read_text())
+    figures: dict[str, Any] = {"vllm": f"vllm {out['plain']['version']}, ngram {VLLM_NGRAM}"}
+    for kind in sets:
+        for batch in BATCHES:
+            k = f"{kind}_batch{batch}"
+            plain, ngram = out["plain"][k], out["ngram"][k]
+            figures |= {
+                f"vllm_{k}_plain_tok_s": plain["tok_s"],
+                f"vllm_{k}_spec_tok_s": ngram["tok_s"],
+                f"vllm_{k}_speedup_ratio": ngram["tok_s"] / plain["tok_s"],
+                f"vllm_{k}_acceptance": ngram["acceptance"],
+            }
+    return figures
+
+
 def run(quick: bool, json_path: str | None) -> dict:
     max_tokens, per_set = (64, 2) if quick else (128, 4)
     plain = LLM(dtype="bf16", progress=False, enable_prefix_caching=False)
@@ -146,6 +190,14 @@ def run(quick: bool, json_path: str | None) -> dict:
             if batch == 1:
                 figures |= _early_exit(early, prompts, max_tokens, base, k)
     figures |= _hf(sets, max_tokens)
+    figures |= _vllm(sets, max_tokens)
+    for kind in sets:
+        for batch in BATCHES:
+            k = f"{kind}_batch{batch}"
+            if f"vllm_{k}_spec_tok_s" in figures:
+                figures[f"{k}_vs_vllm_ratio"] = (
+                    figures[f"{k}_spec_tok_s"] / figures[f"vllm_{k}_spec_tok_s"]
+                )
     hf_path = f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}"
     figures["ran_on"] = _ran_on(plain) | {"hf_cpu_path": hf_path}
     _print(figures)
@@ -172,6 +224,12 @@ def _print(f: dict[str, Any]) -> None:
             [kind, "1 (HF)", f[f"hf_{kind}_plain_tok_s"], f[f"hf_{kind}_lookup_tok_s"],
              f[f"hf_{kind}_lookup_speedup_ratio"], "", ""]
         )  # fmt: skip
+        for batch in BATCHES if f"vllm_{kind}_batch1_spec_tok_s" in f else ():
+            k = f"vllm_{kind}_batch{batch}"
+            rows.append(
+                [kind, f"{batch} (vLLM)", f[f"{k}_plain_tok_s"], f[f"{k}_spec_tok_s"],
+                 f[f"{k}_speedup_ratio"], f[f"{k}_acceptance"], ""]
+            )  # fmt: skip
     print_table(
         f"kvabi bench spec: SmolLM2-135M bf16, greedy, up to {f['max_tokens']} tokens, "
         f"{f['prompts_per_set']} prompts per kind; {f['spec']} (early-exit rows: "
@@ -179,4 +237,4 @@ def _print(f: dict[str, Any]) -> None:
         ["prompts", "batch", "plain tok/s", "spec tok/s", "spec/plain", "accepted", "identical"],
         rows,
     )
-    print_table("ran on", ["what", "value"], list(f["ran_on"].items()))
+    print_table("ran on", ["what", "value"], list(f["ran_on"].items()) + [("vllm", f["vllm"])])
