@@ -37,7 +37,13 @@ from kvabi.engine.sampler import sample, target_probs, token_logprob
 from kvabi.engine.sampling_params import SamplingParams
 from kvabi.engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler, SchedulerConfig
 from kvabi.engine.sequence import Sequence
-from kvabi.engine.spec_decode import SpecConfig, SpecStats, greedy_accept, next_backoff
+from kvabi.engine.spec_decode import (
+    SpecConfig,
+    SpecStats,
+    draft_cost,
+    greedy_accept,
+    next_backoff,
+)
 from kvabi.models.decoder import Decoder
 from kvabi.models.gemma4 import Gemma4Model
 from kvabi.models.gemma4_assistant import Gemma4Assistant, load_gemma4_assistant
@@ -159,6 +165,7 @@ class LLMEngine:
             None if self.assistant is None else self.assistant.can_draft,
         )
         self.spec_stats = SpecStats()
+        self.draft_cost = 0.0 if spec is None else draft_cost(spec, len(loaded.model.layers))
         self._sessions: dict[str, int] = {}  # live requests per session
         attention = PagedAttention(LayerKV.of(self.cache), config.attention_backend)
         model, kernels = loaded.model, attention.kernels  # prepared at load (LoadedModel)
@@ -400,7 +407,8 @@ class LLMEngine:
         else:
             emit = rejection_accept(s.draft, target_probs(logits, p), seq.generator)
         self.spec_stats.record(len(s.draft), len(emit) - 1)
-        seq.spec_backoff = seq.spec_skip = next_backoff(seq.spec_backoff, len(emit) - 1)
+        wait = next_backoff(seq.spec_backoff, len(emit) - 1, self.draft_cost)
+        seq.spec_backoff = seq.spec_skip = wait
         for i, token in enumerate(emit):
             seq.num_computed = s.start + 1 + i  # before `token`: it may end the sequence
             self.scheduler.cache_computed(seq)

@@ -8,10 +8,11 @@ equals the target's argmax, plus the target's own next token. The engine then ro
 sequence back to what was accepted (`Scheduler.trim`): rejected tokens' K/V never reach the
 prefix cache, the tiers or the KV events, which only ever see blocks of accepted tokens.
 
-Drafting backs off where it does not pay: a sequence whose draft was wholly rejected skips
-the next 1, 2, 4, ... 16 steps (`next_backoff`), and no sequence speculates while more than
-`batch` run (verification goes through the multi-query attention path, which at larger
-batches costs more than the accepted tokens save on a CPU).
+Drafting backs off where it does not pay: a sequence whose draft accepted no more tokens than
+it cost skips the next 1, 2, 4, ... 16 steps (`next_backoff`; more for a costly drafter), and
+no sequence speculates while more than `batch` run (verification goes through the
+multi-query attention path, which at larger batches costs more than the accepted tokens save
+on a CPU).
 
 A sequence that samples (temperature > 0) verifies by rejection sampling instead
 (rejection_sampler.py), which keeps the target's distribution; logprobs, when asked for, are
@@ -20,6 +21,7 @@ the target's at each emitted token's position, as without speculation.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -105,14 +107,32 @@ def greedy_accept(draft: Sequence[int], argmax: Sequence[int]) -> list[int]:
     return [*draft[:m], argmax[m]]
 
 
-MAX_BACKOFF = 16  # steps a sequence waits, at most, after a draft was wholly rejected
+MAX_BACKOFF = 16  # steps a sequence waits, at most, after a draft that did not pay
 
 
-def next_backoff(backoff: int, num_accepted: int) -> int:
-    """Steps a sequence skips drafting after this verification: none once a draft token was
-    accepted; else twice the last wait (1, 2, 4, ... up to MAX_BACKOFF), so text the prompt
-    does not predict costs few wasted verifications."""
-    return 0 if num_accepted else min(max(2 * backoff, 1), MAX_BACKOFF)
+def next_backoff(backoff: int, num_accepted: int, cost: float = 0.0) -> int:
+    """Steps a sequence skips drafting after this verification: none where it paid, accepting
+    more tokens than the draft cost (`draft_cost`); else twice the last wait (1, 2, 4, ... up
+    to `backoff_cap(cost)`), so text the drafter does not predict costs few wasted
+    verifications."""
+    if num_accepted > cost:
+        return 0
+    return min(max(2 * backoff, 1), backoff_cap(cost))
+
+
+def draft_cost(spec: SpecConfig, num_layers: int) -> float:
+    """What a draft adds to its step, in forward passes of the target, beyond the one-token
+    decode it replaces, at batch 1 (where a pass costs the same for one row as for k + 1).
+    Early exit: k rounds of the first E of L layers and one pass of the rest replace one full
+    pass, so (k - 1) * E / L. N-gram lookup: nothing. An assistant drafter: counted as
+    nothing, being small beside its target."""
+    return (spec.k - 1) * spec.exit_layer / num_layers
+
+
+def backoff_cap(cost: float) -> int:
+    """The longest wait: MAX_BACKOFF, or long enough that a drafter costing `cost` forward
+    passes and never paying wastes about 5% of the steps (early exit at half depth, k = 3)."""
+    return max(MAX_BACKOFF, math.ceil(20 * cost))
 
 
 @dataclass

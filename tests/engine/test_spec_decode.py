@@ -9,7 +9,13 @@ import pytest
 from kvabi.cache.block_events import BlockEventLog, BlockStored
 from kvabi.engine.engine import EngineConfig, EngineHooks, LLMEngine
 from kvabi.engine.sampling_params import SamplingParams
-from kvabi.engine.spec_decode import MAX_BACKOFF, SpecConfig, greedy_accept, next_backoff
+from kvabi.engine.spec_decode import (
+    MAX_BACKOFF,
+    SpecConfig,
+    draft_cost,
+    greedy_accept,
+    next_backoff,
+)
 from tests.engine.test_hybrid_groups import hybrid_loaded
 from tests.engine.tiny import greedy_reference, tiny_loaded
 
@@ -87,6 +93,14 @@ def test_spec_config_parses_vllms_knobs_and_refuses_the_rest():
         waits.append(next_backoff(waits[-1], 0))
     assert waits == [0, 1, 2, 4, 8, 16, MAX_BACKOFF, MAX_BACKOFF]
     assert next_backoff(8, 1) == 0
+    # early exit at half depth, k = 3: a draft costs one pass, and pays from 2 accepted on
+    early = SpecConfig.parse("early-exit:k=3,exit=15")
+    assert draft_cost(early, 30) == 1.0 and draft_cost(SpecConfig.parse("ngram:k=4"), 30) == 0
+    assert next_backoff(8, 1, 1.0) == 16 and next_backoff(8, 2, 1.0) == 0
+    waits = [0]
+    for _ in range(7):
+        waits.append(next_backoff(waits[-1], 1, 1.0))
+    assert waits == [0, 1, 2, 4, 8, 16, 20, 20]  # about 5% of the steps wasted at the cap
 
 
 def test_wholly_rejected_drafts_back_off_and_a_full_batch_does_not_speculate():
