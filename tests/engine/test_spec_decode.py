@@ -255,6 +255,10 @@ def test_the_bundled_smollm2_copies_its_prompt_with_drafts_and_the_same_tokens()
     stats = spec.spec_stats
     assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.5, stats
     assert len(want[0]) == 20
+    # early exit at half depth (a model not trained for it: drafts mostly rejected)
+    early = LLMEngine(loaded, EngineConfig(speculative="early-exit:k=3,exit=15,batch=32"), "t")
+    assert run(early, [prompt], greedy(20)) == want
+    assert early.spec_stats.num_draft_tokens >= 3 * 4  # it drafted, and backed off
 
 
 @pytest.mark.parametrize("layout", ["vllm-mla", "vllm-fp8-ds-mla"])
