@@ -10,7 +10,7 @@ adopting a model without checking that its attention gets the fast kernel.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvabi.abi.catalog import MODEL_NAMES, catalog_model, catalog_query_heads
@@ -52,6 +52,9 @@ def add_plan_args(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--descriptor", help="a descriptor's text form instead of model + layout")
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument(
+        "--tp", type=int, default=1, metavar="N", help="the tensor-parallel plan over N ranks"
+    )
     p.set_defaults(fn=cmd_plan)
 
 
@@ -84,7 +87,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"descriptor: {desc}")
     _print_memory(desc, args.context, args.concurrency)
     _print_paths(desc, model)
+    if args.tp > 1:
+        _print_tp(model, desc, args)
     return 0
+
+
+def _print_tp(model: PlannedModel, desc: Descriptor, args: argparse.Namespace) -> None:
+    """Which heads each rank holds, per run of alike layers, and each rank's KV bytes."""
+    from kvabi.parallel.tp_plan import plan_tp, rank_spec
+
+    tp = plan_tp(model.query_heads, model.spec.layers, None, args.tp)
+    header = ["layers", "rank", "q heads", "KV heads", "KV replicated"]
+    print_table(f"Tensor-parallel plan over {args.tp} ranks", header, tp.describe())
+    rows = []
+    for rank in range(args.tp):
+        spec = replace(model.spec, layers=rank_spec(tp, model.spec.layers, rank))
+        shard = replace(desc, model=spec)
+        per_token = plan(shard, args.context, args.concurrency).bytes_per_token
+        rows.append([rank, _bytes(per_token), plan(shard, args.context, 1).bytes_per_request])
+    print_table("KV per rank", ["rank", "B/token", f"B/request ({args.context} tokens)"], rows)
 
 
 def _descriptor(spec: ModelSpec, args: argparse.Namespace) -> Descriptor:
