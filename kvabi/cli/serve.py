@@ -44,6 +44,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "reading the target's cache); greedy and sampled requests",
     )
     p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N processes over torch.distributed (gloo), each with its shard of the weights "
+        "and KV heads (Llama-family models; a dead rank stops the engine: /health 503)",
+    )
+    p.add_argument(
         "--draft-model",
         metavar="PATH",
         help="the drafter's HF folder for --speculative assistant:... (Gemma4AssistantForCausalLM)",
@@ -205,6 +213,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         num_blocks=args.num_blocks,
         speculative=args.speculative,
         draft_model=args.draft_model,
+        tensor_parallel_size=args.tensor_parallel_size,
         tiers=tier_config(args),
         hooks=server_hooks(settings, disagg),
     )

@@ -30,6 +30,7 @@ from kvabi.engine.engine import LLMEngine
 from kvabi.engine.outputs import RequestOutput
 from kvabi.engine.request_handle import EngineError, Progress, RequestHandle
 from kvabi.engine.sampling_params import SamplingParams
+from kvabi.parallel.tp_group import TPError
 
 log = logging.getLogger("kvabi.server")
 _STOP = object()
@@ -203,6 +204,8 @@ class AsyncEngine:
             for request_id in list(self.engine.requests):
                 self.engine.abort(request_id)
                 self._call_soon(self._fail, request_id, f"engine error: {exc}")
+            if isinstance(exc, TPError):  # a rank is gone: no step can run, stop (/health 503)
+                raise
             outputs = []
         now = time.perf_counter()
         self.snapshot = self._snapshot()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -48,6 +48,7 @@ from kvabi.models.decoder import Decoder
 from kvabi.models.gemma4 import Gemma4Model
 from kvabi.models.gemma4_assistant import Gemma4Assistant, load_gemma4_assistant
 from kvabi.models.registry import LoadedModel
+from kvabi.parallel.tp_group import TPGroup
 
 log = logging.getLogger("kvabi.engine")
 KV_LAYOUTS = {"nhd": "vllm-flash-attn", "hnd": "vllm-flash-attn-hnd"}
@@ -136,9 +137,14 @@ class LLMEngine:
         config: EngineConfig = EngineConfig(),
         fingerprint: str = "",
         hooks: EngineHooks = EngineHooks(),
+        tp: TPGroup | None = None,
     ) -> None:
+        """`tp`: rank 0 of a tensor-parallel group (kvabi/parallel/tp_group.py), `loaded`
+        its shard; the other ranks follow this engine's steps."""
         self.loaded, self.config, self.tokenizer = loaded, config, loaded.tokenizer
-        self.hooks = hooks
+        self.hooks, self.tp = hooks, tp
+        if tp is not None:
+            check_tp(config, hooks)
         drafter = None if config.draft_model is None else _assistant(loaded, config.draft_model)
         self.info, slack = self._start(loaded, config, fingerprint, drafter)
         self.cache = KVCache(
@@ -170,10 +176,13 @@ class LLMEngine:
         attention = PagedAttention(LayerKV.of(self.cache), config.attention_backend)
         model, kernels = loaded.model, attention.kernels  # prepared at load (LoadedModel)
         fused = None
-        if config.fused_decode and self.cache.plan.is_uniform:
+        if config.fused_decode and self.cache.plan.is_uniform and tp is None:
             fused = FusedDecode.build(model, self.cache.storage, kernels)
         self.runner = ModelRunner(model, attention, self.cache.groups, fused)
         self.runner.keep_hidden = self.assistant is not None
+        if tp is not None:  # the workers' caches: as many blocks as this one's
+            self.runner.tp = tp
+            tp.send(replace(config, num_blocks=self.info.pool_blocks[0]))
         self.requests: dict[str, list[Sequence]] = {}
         self.num_computed_tokens = 0  # tokens run through the model, ever: progress
         self._ids = itertools.count()
@@ -334,8 +343,11 @@ class LLMEngine:
         self.cache.flush()
 
     def close(self) -> None:
-        """Finish queued write-downs and release the tiers (their connections and thread)."""
+        """Finish queued write-downs and release the tiers (their connections and thread);
+        stop the tensor-parallel workers."""
         self.cache.close()
+        if self.tp is not None:
+            self.tp.close()
 
     def _promote_waiting(self) -> None:
         """Load from the lower tiers what the next admissible waiting requests will reuse."""
@@ -483,6 +495,16 @@ def _check_early_exit(loaded: LoadedModel, exit_layer: int) -> None:
             f"speculative: early-exit needs a model that runs its layers in parts; "
             f"{type(model).__name__} does not"
         )
+
+
+def check_tp(config: EngineConfig, hooks: EngineHooks) -> None:
+    """What tensor parallelism does not run yet: refused before any step."""
+    if config.tiers.is_enabled:
+        raise ValueError("tensor_parallel_size: lower tiers would hold rank 0's heads only")
+    if config.speculative is not None and SpecConfig.parse(config.speculative).method != "ngram":
+        raise ValueError("tensor_parallel_size: of the speculative methods, ngram only")
+    if hooks.on_prompt_layer is not None:
+        raise ValueError("tensor_parallel_size: a prefill role sends rank 0's heads only")
 
 
 def _assistant(loaded: LoadedModel, folder: str) -> Gemma4Assistant:

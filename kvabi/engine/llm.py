@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
-from kvabi.engine.engine import EngineConfig, EngineHooks, LLMEngine
+from kvabi.engine.engine import EngineConfig, EngineHooks, LLMEngine, check_tp
 from kvabi.engine.outputs import CompletionOutput, OutputAccumulator, RequestOutput
 from kvabi.engine.sampling_params import SamplingParams
 from kvabi.interop.model_spec import gguf_fingerprint, state_dict_fingerprint
@@ -23,16 +24,20 @@ class LLM:
         dtype: str = "auto",
         progress: bool = True,
         hooks: EngineHooks = EngineHooks(),
+        tensor_parallel_size: int = 1,
         **engine_config: object,
     ) -> None:
-        source = resolve_model(model)
+        """`tensor_parallel_size` N > 1: N processes, each with its shard of the weights and
+        KV heads (kvabi/parallel/tp_group.py); this one is rank 0."""
+        config = EngineConfig(**engine_config)  # checked before any rank starts
         loaded = load_model(model, dtype, progress)
-        fingerprint = (
-            gguf_fingerprint(source.path)
-            if source.format == "gguf"
-            else state_dict_fingerprint(loaded.model.state_dict())
-        )
-        self._attach(LLMEngine(loaded, EngineConfig(**engine_config), fingerprint, hooks))
+        fingerprint = model_fingerprint(model, loaded)
+        if tensor_parallel_size == 1:
+            self._attach(LLMEngine(loaded, config, fingerprint, hooks))
+            return
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size: must be >= 1, got {tensor_parallel_size}")
+        self._attach(tp_engine(model, loaded, fingerprint, config, hooks, tensor_parallel_size))
 
     @classmethod
     def from_loaded(
@@ -98,3 +103,39 @@ class LLM:
     ) -> RequestOutput:
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.generate([prompt], params)[0]
+
+
+def model_fingerprint(model: str | Path | None, loaded: LoadedModel) -> str:
+    """The model's identity in descriptors: its GGUF file's, else its weights' digest."""
+    source = resolve_model(model)
+    if source.format == "gguf":
+        return gguf_fingerprint(source.path)
+    return state_dict_fingerprint(loaded.model.state_dict())
+
+
+def tp_engine(
+    model: str | Path | None,
+    loaded: LoadedModel,
+    fingerprint: str,
+    config: EngineConfig,
+    hooks: EngineHooks,
+    size: int,
+) -> LLMEngine:
+    """Rank 0's engine over `size` ranks: the workers started and checked, then its shard."""
+    import os
+
+    from kvabi.parallel.tp_group import TPGroup, agreement
+    from kvabi.parallel.tp_shard import llama_plan, shard_llama
+
+    check_tp(config, hooks)  # refused before any process starts
+    plan = llama_plan(loaded, size)
+    dtype = "bf16" if loaded.model.dtype == torch.bfloat16 else "fp32"
+    name = "" if model is None else str(model)
+    group = TPGroup.launch(name, dtype, size, threads=max(1, (os.cpu_count() or 1) // size))
+    try:
+        group.agree(agreement(fingerprint, plan, dtype))
+        shard = shard_llama(loaded, plan, 0, group.reduce)
+        return LLMEngine(shard, config, fingerprint, hooks, tp=group)
+    except BaseException:
+        group.close()
+        raise

@@ -12,6 +12,7 @@ from kvabi.engine.fused_decode import FusedDecode
 from kvabi.engine.paged_attention import PagedAttention, SeqSlice, StepContext
 from kvabi.engine.scheduler import ScheduledBatch, ScheduledSeq
 from kvabi.models.llama import LlamaModel
+from kvabi.parallel.tp_group import TPGroup, TPStep
 
 
 class ModelRunner:
@@ -27,6 +28,7 @@ class ModelRunner:
         self.groups = groups  # one block table per group per sequence
         self.fused = fused  # decode-only steps without a layer callback, where it applies
         self.block_size = attention.kv.block_size
+        self.tp: TPGroup | None = None  # tensor parallelism: the steps go to every rank
         self.keep_hidden = False  # keep `hidden`: the sampling rows' normed hidden states
         self.hidden: torch.Tensor | None = None  # of the last `run`, where kept
 
@@ -45,6 +47,8 @@ class ModelRunner:
         if drafted is not None:
             return self._verify_from_exit(drafted, on_layer)
         ids, positions, ctxs, sample_rows = self._prepare(batch)
+        if self.tp is not None:
+            self.tp.send(TPStep(_copies(batch), ids, positions, tuple(ctxs)))
         if self.fused is not None and on_layer is None and not ctxs[0].prefills:
             hidden = self.fused.hidden_states(ids, positions, ctxs[0])
         else:
@@ -161,3 +165,16 @@ def _decode_tables(slices: list[SeqSlice], block_size: int, window: int) -> tupl
         valid &= keys >= lens[:, None] - window
     rows = torch.tensor([s.query_start for s in decodes])
     return prefills, rows, tables, lens, valid[:, None, None, :]
+
+
+def _copies(batch: ScheduledBatch) -> tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]:
+    """The batch's block copies per pool, as `TPStep` carries them."""
+    pools = sorted({c.pool_id for c in batch.copies})
+    return tuple(
+        (
+            p,
+            tuple(c.src for c in batch.copies if c.pool_id == p),
+            tuple(c.dst for c in batch.copies if c.pool_id == p),
+        )
+        for p in pools
+    )

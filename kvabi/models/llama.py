@@ -8,6 +8,8 @@ Parameter names equal HF's without the `model.` prefix (`layers.0.self_attn.q_pr
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,6 +20,8 @@ from kvabi.models.cpu_kernels import CpuKernels
 from kvabi.models.decoder import Decoder
 from kvabi.models.packed_linear import PackedLinear
 from kvabi.models.rope import RotaryEmbedding, apply_rope
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]  # a partial output -> the ranks' sum
 
 
 class RMSNorm(nn.Module):
@@ -50,6 +54,7 @@ class SelfAttention(nn.Module):
         self.qkv: PackedLinear | None = None  # set by fuse(): q, k and v in one GEMM
         self.out: PackedLinear | None = None
         self.kernels: CpuKernels | None = None  # set by LlamaModel.use_kernels
+        self.reduce: Reduce | None = None  # tensor parallelism: sums the ranks' outputs
 
     def fuse(self, pack: bool, kernels: CpuKernels | None = None) -> None:
         if self.qkv is None:
@@ -77,7 +82,8 @@ class SelfAttention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attn(self.layer_id, q, k, v)  # [num_tokens, num_heads, head_dim]
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)
-        return self.o_proj(out) if self.out is None else self.out(out)
+        out = self.o_proj(out) if self.out is None else self.out(out)
+        return out if self.reduce is None else self.reduce(out)
 
 
 class SwiGLU(nn.Module):
@@ -90,6 +96,7 @@ class SwiGLU(nn.Module):
         self.gate_up: PackedLinear | None = None  # set by fuse(): gate and up in one GEMM
         self.down: PackedLinear | None = None
         self.kernels: CpuKernels | None = None  # set by LlamaModel.use_kernels
+        self.reduce: Reduce | None = None  # tensor parallelism: sums the ranks' outputs
 
     def fuse(self, pack: bool, kernels: CpuKernels | None = None) -> None:
         if self.gate_up is None:
@@ -98,6 +105,10 @@ class SwiGLU(nn.Module):
             self.down = PackedLinear(self.down_proj.weight, self.down_proj.bias, pack, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._forward(x)
+        return out if self.reduce is None else self.reduce(out)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None or self.down is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         if self.kernels is not None:

@@ -1,0 +1,140 @@
+"""Rank 0's side of tensor parallelism: N - 1 worker processes (kvabi/parallel/tp_worker.py)
+over `torch.distributed` (gloo, TCP on 127.0.0.1), each holding its shard of the weights and
+of the KV heads (tp_plan.py, tp_shard.py).
+
+Rank 0 runs the engine: it schedules, and before each forward broadcasts the step (the
+block copies, token ids, positions and each block group's attention context: everything a
+rank needs to write its K/V into the same blocks and attend over them). Every rank then
+runs its shard; the attention output and MLP down projections all-reduce; rank 0 alone
+computes logits and samples. The ranks' KV caches mirror rank 0's block tables, so they
+have the same number of blocks (rank 0's, which holds the most heads).
+
+Failures never hang: each collective has the group's timeout, rank 0 checks its workers are
+alive before every step, and a dead, late or disagreeing rank raises `TPError` (the caller
+fails its requests). At start-up the ranks compare the model's fingerprint and the plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kvabi.engine.paged_attention import StepContext
+
+
+class TPError(RuntimeError):
+    """A rank died, timed out or disagreed: the group can run no more steps."""
+
+
+@dataclass(frozen=True)
+class TPStep:
+    """What every rank needs for one forward."""
+
+    copies: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]  # (pool, srcs, dsts)
+    ids: torch.Tensor
+    positions: torch.Tensor
+    ctxs: tuple[StepContext, ...]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_group(rank: int, size: int, port: int, timeout_s: float) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def agreement(fingerprint: str, plan: Any, dtype: str) -> dict[str, Any]:
+    """What every rank must hold alike."""
+    return {"fingerprint": fingerprint, "plan": plan, "dtype": dtype}
+
+
+class TPGroup:
+    def __init__(self, size: int, workers: list[subprocess.Popen], threads: int) -> None:
+        self.size, self.workers = size, workers
+        self._threads = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        self.closed = False
+
+    @classmethod
+    def launch(
+        cls, model: str, dtype: str, size: int, threads: int = 1, timeout_s: float = 60.0
+    ) -> TPGroup:
+        """Start ranks 1 .. size-1 and join them as rank 0 (TPError if they do not come)."""
+        port = free_port()
+        command = [sys.executable, "-m", "kvabi.parallel.tp_worker", "--model", model]
+        command += ["--dtype", dtype, "--size", str(size), "--port", str(port)]
+        command += ["--threads", str(threads), "--timeout", str(timeout_s)]
+        workers = [subprocess.Popen([*command, "--rank", str(r)]) for r in range(1, size)]
+        try:
+            init_group(0, size, port, timeout_s)
+        except Exception as exc:
+            for w in workers:
+                w.kill()
+            raise TPError(f"tp: the {size - 1} worker ranks did not join: {exc}") from exc
+        return cls(size, workers, threads)
+
+    def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's `tensor` (in place)."""
+        self._collective(dist.all_reduce, tensor)
+        return tensor
+
+    def agree(self, mine: dict[str, Any]) -> None:
+        """Refuse ranks that hold another model, plan or dtype (they are told to exit)."""
+        theirs: list[Any] = [None] * self.size
+        self._collective(dist.all_gather_object, theirs, mine)
+        for rank, other in enumerate(theirs):
+            for key, value in mine.items():
+                if other[key] != value:
+                    self.send(("abort", f"rank {rank} disagrees on {key}"))
+                    raise TPError(f"tp: rank {rank} holds another {key} than rank 0")
+
+    def send(self, message: object) -> None:
+        """Broadcast one message (a setup, a `TPStep`, or None: stop) to the workers."""
+        self.check_alive()
+        self._collective(dist.broadcast_object_list, [message], 0)
+
+    def check_alive(self) -> None:
+        if self.closed:
+            raise TPError("tp: the group is closed")
+        for rank, w in enumerate(self.workers, start=1):
+            if w.poll() is not None:
+                raise TPError(f"tp: rank {rank} exited (code {w.returncode})")
+
+    def _collective(self, op: Any, *args: Any) -> None:
+        try:
+            op(*args)
+        except Exception as exc:  # gloo: a peer's socket closed, or the timeout ran out
+            raise TPError(f"tp: a collective failed ({exc}); a rank died or hung") from exc
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the workers (kill those that do not exit) and leave the group."""
+        if self.closed:
+            return
+        with contextlib.suppress(TPError):  # a dead group: the workers are killed below
+            self.send(None)
+        self.closed = True
+        for w in self.workers:
+            try:
+                w.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                w.kill()
+                w.wait()
+        dist.destroy_process_group()
+        torch.set_num_threads(self._threads)

@@ -1,0 +1,88 @@
+"""A worker rank of tensor parallelism (rank >= 1; tp_group.py starts it):
+
+    python -m kvabi.parallel.tp_worker --model M --dtype fp32 --rank 1 --size 2 --port P
+
+It loads the model, keeps its shard (tp_shard.py), checks with rank 0 that they agree (model
+fingerprint, plan, dtype), builds its KV cache from rank 0's engine config (the same block
+count), then runs each step rank 0 broadcasts until told to stop. It exits when rank 0 goes
+(a collective fails or times out), never waits forever.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import torch
+import torch.distributed as dist
+
+from kvabi.engine.engine import EngineConfig, LLMEngine
+from kvabi.models.registry import load_model
+from kvabi.parallel.tp_group import TPStep, agreement, init_group
+from kvabi.parallel.tp_shard import llama_plan, shard_llama
+
+log = logging.getLogger("kvabi.tp_worker")
+
+
+def _reduce(tensor: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(tensor)
+    return tensor
+
+
+def _recv() -> object:
+    box: list[object] = [None]
+    dist.broadcast_object_list(box, 0)
+    return box[0]
+
+
+def serve(args: argparse.Namespace) -> int:
+    from kvabi.engine.llm import model_fingerprint
+
+    torch.set_num_threads(args.threads)
+    init_group(args.rank, args.size, args.port, args.timeout)
+    full = load_model(args.model or None, args.dtype, progress=False)
+    plan = llama_plan(full, args.size)
+    shard = shard_llama(full, plan, args.rank, _reduce)
+    mine = agreement(model_fingerprint(args.model or None, full), plan, args.dtype)
+    dist.all_gather_object([None] * args.size, mine)
+    del full
+    setup = _recv()
+    if not isinstance(setup, EngineConfig):
+        log.error("tp rank %d: rank 0 refused the group: %s", args.rank, setup)
+        return 2
+    engine = LLMEngine(shard, setup, "tp-worker")
+    runner, storages = engine.runner, engine.cache.storages
+    while True:
+        step = _recv()
+        if step is None:
+            return 0
+        assert isinstance(step, TPStep), type(step)
+        for pool_id, srcs, dsts in step.copies:
+            storages[pool_id].copy_blocks(list(srcs), list(dsts))
+        with torch.inference_mode(), runner.attention.step(step.ctxs, None):
+            runner.model.hidden_states(step.ids, step.positions, runner.attention)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="")
+    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--size", type=int, required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=60.0)
+    args = p.parse_args(argv)
+    try:
+        return serve(args)
+    except Exception:  # rank 0 gone or broken: leave, loudly
+        log.exception("tp rank %d stops", args.rank)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
