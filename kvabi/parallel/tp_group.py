@@ -20,6 +20,7 @@ import contextlib
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -113,15 +114,28 @@ class TPGroup:
     def check_alive(self) -> None:
         if self.closed:
             raise TPError("tp: the group is closed")
-        for rank, w in enumerate(self.workers, start=1):
-            if w.poll() is not None:
-                raise TPError(f"tp: rank {rank} exited (code {w.returncode})")
+        gone = self._exited(wait_s=0.0)
+        if gone:
+            raise TPError(f"tp: {gone}")
 
     def _collective(self, op: Any, *args: Any) -> None:
         try:
             op(*args)
         except Exception as exc:  # gloo: a peer's socket closed, or the timeout ran out
-            raise TPError(f"tp: a collective failed ({exc}); a rank died or hung") from exc
+            gone = self._exited(wait_s=1.0)
+            if gone:
+                raise TPError(f"tp: {gone} during a step") from exc
+            raise TPError(f"tp: a collective failed; a rank hung or broke: {exc}") from exc
+
+    def _exited(self, wait_s: float) -> str:
+        """The ranks that have exited (waiting up to `wait_s` for a dying one), in words."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            gone = [(r, w.poll()) for r, w in enumerate(self.workers, start=1)]
+            gone = [(r, code) for r, code in gone if code is not None]
+            if gone or time.monotonic() >= deadline:
+                return ", ".join(f"rank {r} exited (code {code})" for r, code in gone)
+            time.sleep(0.05)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the workers (kill those that do not exit) and leave the group."""

@@ -80,3 +80,47 @@ def test_what_tp_does_not_run_yet_is_refused_before_any_process_starts(tmp_path)
         LLM(MODEL, progress=False, tensor_parallel_size=2, speculative="early-exit:exit=4")
     with pytest.raises(ValueError, match=">= 1"):
         LLM(MODEL, progress=False, tensor_parallel_size=0)
+
+
+def _children(pid: int) -> list[int]:
+    """The pids whose parent is `pid` (from /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_kvabi_serve_with_two_ranks_answers_and_fails_cleanly_when_one_dies(want) -> None:
+    """`kvabi serve --tensor-parallel-size 2`: the `openai` client gets TP 1's tokens; once the
+    worker rank is killed, a request fails with a 5xx that says why and /health turns 503."""
+    import os
+    import signal
+
+    import httpx
+
+    openai = pytest.importorskip("openai")
+    from kvabi.server.launch import ServerProcess
+
+    args = ["--model", MODEL, "--dtype", "fp32", "--tensor-parallel-size", "2"]
+    with ServerProcess([*args, "--log-level", "warning"], startup_timeout_s=180) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0)
+        from kvabi.models.registry import load_model
+
+        tokenizer = load_model(MODEL, "fp32", progress=False).tokenizer  # TP 1's tokens' text
+        out = client.completions.create(
+            model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert out.choices[0].text == tokenizer.decode(want[0])
+        (worker,) = _children(server.process.pid)
+        os.kill(worker, signal.SIGKILL)
+        with pytest.raises(openai.APIStatusError) as failed:
+            client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=5)
+        assert failed.value.status_code >= 500
+        assert "rank 1" in str(failed.value.body)
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 503
