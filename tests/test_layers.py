@@ -9,6 +9,7 @@ LAYERS = [
     "cache",
     "interop",
     "models",
+    "parallel",
     "engine",
     "connectors",
     "transfer",

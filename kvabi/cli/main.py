@@ -121,6 +121,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from kvabi.bench.spec_bench import run as run_spec
 
         run_spec(args.quick, args.json)
+    elif args.what == "tp":
+        from kvabi.bench.tp_bench import run as run_tp
+
+        run_tp(args.quick, args.json)
     return 0
 
 
@@ -156,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
             "decode",
             "mla",
             "spec",
+            "tp",
         ],
     )
 

@@ -30,7 +30,7 @@ from kvabi.engine.engine import LLMEngine
 from kvabi.engine.outputs import RequestOutput
 from kvabi.engine.request_handle import EngineError, Progress, RequestHandle
 from kvabi.engine.sampling_params import SamplingParams
-from kvabi.parallel.tp_group import TPError
+from kvabi.engine.tp_group import TPError
 
 log = logging.getLogger("kvabi.server")
 _STOP = object()

@@ -44,11 +44,11 @@ from kvabi.engine.spec_decode import (
     greedy_accept,
     next_backoff,
 )
+from kvabi.engine.tp_group import TPGroup
 from kvabi.models.decoder import Decoder
 from kvabi.models.gemma4 import Gemma4Model
 from kvabi.models.gemma4_assistant import Gemma4Assistant, load_gemma4_assistant
 from kvabi.models.registry import LoadedModel
-from kvabi.parallel.tp_group import TPGroup
 
 log = logging.getLogger("kvabi.engine")
 KV_LAYOUTS = {"nhd": "vllm-flash-attn", "hnd": "vllm-flash-attn-hnd"}
@@ -139,7 +139,7 @@ class LLMEngine:
         hooks: EngineHooks = EngineHooks(),
         tp: TPGroup | None = None,
     ) -> None:
-        """`tp`: rank 0 of a tensor-parallel group (kvabi/parallel/tp_group.py), `loaded`
+        """`tp`: rank 0 of a tensor-parallel group (kvabi/engine/tp_group.py), `loaded`
         its shard; the other ranks follow this engine's steps."""
         self.loaded, self.config, self.tokenizer = loaded, config, loaded.tokenizer
         self.hooks, self.tp = hooks, tp

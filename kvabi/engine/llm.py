@@ -28,7 +28,7 @@ class LLM:
         **engine_config: object,
     ) -> None:
         """`tensor_parallel_size` N > 1: N processes, each with its shard of the weights and
-        KV heads (kvabi/parallel/tp_group.py); this one is rank 0."""
+        KV heads (kvabi/engine/tp_group.py); this one is rank 0."""
         config = EngineConfig(**engine_config)  # checked before any rank starts
         loaded = load_model(model, dtype, progress)
         fingerprint = model_fingerprint(model, loaded)
@@ -124,7 +124,7 @@ def tp_engine(
     """Rank 0's engine over `size` ranks: the workers started and checked, then its shard."""
     import os
 
-    from kvabi.parallel.tp_group import TPGroup, agreement
+    from kvabi.engine.tp_group import TPGroup, agreement
     from kvabi.parallel.tp_shard import llama_plan, shard_llama
 
     check_tp(config, hooks)  # refused before any process starts

@@ -11,8 +11,8 @@ from kvabi.engine.early_exit import Drafted, draft_rounds
 from kvabi.engine.fused_decode import FusedDecode
 from kvabi.engine.paged_attention import PagedAttention, SeqSlice, StepContext
 from kvabi.engine.scheduler import ScheduledBatch, ScheduledSeq
+from kvabi.engine.tp_group import TPGroup, TPStep
 from kvabi.models.llama import LlamaModel
-from kvabi.parallel.tp_group import TPGroup, TPStep
 
 
 class ModelRunner:

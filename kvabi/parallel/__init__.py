@@ -1,1 +1,2 @@
-"""Tensor parallelism: the plan (tp_plan.py), sharded models (tp_shard.py), ranks (tp_group.py)."""
+"""Tensor parallelism's plan (tp_plan.py) and a rank's shard of a model (tp_shard.py); the ranks
+run in kvabi/engine (tp_group.py, tp_worker.py)."""

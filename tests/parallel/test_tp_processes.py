@@ -13,7 +13,7 @@ import pytest
 from kvabi.cache.tier_config import TierConfig
 from kvabi.engine.llm import LLM
 from kvabi.engine.sampling_params import SamplingParams
-from kvabi.parallel.tp_group import TPError, TPGroup, agreement
+from kvabi.engine.tp_group import TPError, TPGroup, agreement
 from tests.server.tiny_server import tiny_folder
 
 pytestmark = pytest.mark.slow

@@ -1,8 +1,8 @@
 """A worker rank of tensor parallelism (rank >= 1; tp_group.py starts it):
 
-    python -m kvabi.parallel.tp_worker --model M --dtype fp32 --rank 1 --size 2 --port P
+    python -m kvabi.engine.tp_worker --model M --dtype fp32 --rank 1 --size 2 --port P
 
-It loads the model, keeps its shard (tp_shard.py), checks with rank 0 that they agree (model
+It loads the model, keeps its shard (kvabi/parallel/tp_shard.py), checks with rank 0 that they agree (model
 fingerprint, plan, dtype), builds its KV cache from rank 0's engine config (the same block
 count), then runs each step rank 0 broadcasts until told to stop. It exits when rank 0 goes
 (a collective fails or times out), never waits forever.
@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from kvabi.engine.engine import EngineConfig, LLMEngine
+from kvabi.engine.tp_group import TPStep, agreement, init_group
 from kvabi.models.registry import load_model
-from kvabi.parallel.tp_group import TPStep, agreement, init_group
 from kvabi.parallel.tp_shard import llama_plan, shard_llama
 
 log = logging.getLogger("kvabi.tp_worker")

@@ -1,6 +1,6 @@
-"""Rank 0's side of tensor parallelism: N - 1 worker processes (kvabi/parallel/tp_worker.py)
+"""Rank 0's side of tensor parallelism: N - 1 worker processes (kvabi/engine/tp_worker.py)
 over `torch.distributed` (gloo, TCP on 127.0.0.1), each holding its shard of the weights and
-of the KV heads (tp_plan.py, tp_shard.py).
+of the KV heads (kvabi/parallel/tp_plan.py, tp_shard.py).
 
 Rank 0 runs the engine: it schedules, and before each forward broadcasts the step (the
 block copies, token ids, positions and each block group's attention context: everything a
@@ -72,6 +72,8 @@ class TPGroup:
         self._threads = torch.get_num_threads()
         torch.set_num_threads(threads)
         self.closed = False
+        self.reduce_s = self.send_s = 0.0  # rank 0's seconds in all-reduces and broadcasts
+        self.num_steps = 0  # steps broadcast
 
     @classmethod
     def launch(
@@ -79,7 +81,7 @@ class TPGroup:
     ) -> TPGroup:
         """Start ranks 1 .. size-1 and join them as rank 0 (TPError if they do not come)."""
         port = free_port()
-        command = [sys.executable, "-m", "kvabi.parallel.tp_worker", "--model", model]
+        command = [sys.executable, "-m", "kvabi.engine.tp_worker", "--model", model]
         command += ["--dtype", dtype, "--size", str(size), "--port", str(port)]
         command += ["--threads", str(threads), "--timeout", str(timeout_s)]
         workers = [subprocess.Popen([*command, "--rank", str(r)]) for r in range(1, size)]
@@ -93,7 +95,9 @@ class TPGroup:
 
     def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's `tensor` (in place)."""
+        start = time.perf_counter()
         self._collective(dist.all_reduce, tensor)
+        self.reduce_s += time.perf_counter() - start
         return tensor
 
     def agree(self, mine: dict[str, Any]) -> None:
@@ -109,7 +113,10 @@ class TPGroup:
     def send(self, message: object) -> None:
         """Broadcast one message (a setup, a `TPStep`, or None: stop) to the workers."""
         self.check_alive()
+        start = time.perf_counter()
         self._collective(dist.broadcast_object_list, [message], 0)
+        self.send_s += time.perf_counter() - start
+        self.num_steps += isinstance(message, TPStep)
 
     def check_alive(self) -> None:
         if self.closed:
