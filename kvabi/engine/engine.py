@@ -182,7 +182,7 @@ class LLMEngine:
         self.runner.keep_hidden = self.assistant is not None
         if tp is not None:  # the workers' caches: as many blocks as this one's
             self.runner.tp = tp
-            tp.send(replace(config, num_blocks=self.info.pool_blocks[0]))
+            tp.setup(replace(config, num_blocks=self.info.pool_blocks[0]))
         self.requests: dict[str, list[Sequence]] = {}
         self.num_computed_tokens = 0  # tokens run through the model, ever: progress
         self._ids = itertools.count()

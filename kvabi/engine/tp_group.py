@@ -5,7 +5,8 @@ of the KV heads (kvabi/parallel/tp_plan.py, tp_shard.py).
 Rank 0 runs the engine: it schedules, and before each forward broadcasts the step (the
 block copies, token ids, positions and each block group's attention context: everything a
 rank needs to write its K/V into the same blocks and attend over them). Every rank then
-runs its shard; the attention output and MLP down projections all-reduce; rank 0 alone
+runs its shard; the attention output and MLP down projections all-reduce (through shared
+memory: tp_shm.py; gloo for what does not fit); rank 0 alone
 computes logits and samples. The ranks' KV caches mirror rank 0's block tables, so they
 have the same number of blocks (rank 0's, which holds the most heads).
 
@@ -29,10 +30,20 @@ import torch
 import torch.distributed as dist
 
 from kvabi.engine.paged_attention import StepContext
+from kvabi.engine.tp_shm import ShmAllReduce, ShmTimeout, shm_path
 
 
 class TPError(RuntimeError):
     """A rank died, timed out or disagreed: the group can run no more steps."""
+
+
+@dataclass(frozen=True)
+class TPSetup:
+    """Rank 0's engine config for the workers' caches (their block count is rank 0's), and
+    the tag of the shared-memory all-reduce's file (tp_shm.py)."""
+
+    config: Any  # EngineConfig
+    shm_tag: str
 
 
 @dataclass(frozen=True)
@@ -67,8 +78,12 @@ def agreement(fingerprint: str, plan: Any, dtype: str) -> dict[str, Any]:
 
 
 class TPGroup:
-    def __init__(self, size: int, workers: list[subprocess.Popen], threads: int) -> None:
+    def __init__(
+        self, size: int, workers: list[subprocess.Popen], threads: int, shm: ShmAllReduce, tag: str
+    ) -> None:
         self.size, self.workers = size, workers
+        self.shm, self.shm_tag = shm, tag
+        shm.alive = lambda: not self._exited(wait_s=0.0)
         self._threads = torch.get_num_threads()
         torch.set_num_threads(threads)
         self.closed = False
@@ -86,19 +101,33 @@ class TPGroup:
         command += ["--threads", str(threads), "--timeout", str(timeout_s)]
         workers = [subprocess.Popen([*command, "--rank", str(r)]) for r in range(1, size)]
         try:
+            shm = ShmAllReduce.create(str(port), size, timeout_s)
             init_group(0, size, port, timeout_s)
         except Exception as exc:
             for w in workers:
                 w.kill()
+            shm_path(str(port)).unlink(missing_ok=True)
             raise TPError(f"tp: the {size - 1} worker ranks did not join: {exc}") from exc
-        return cls(size, workers, threads)
+        return cls(size, workers, threads, shm, str(port))
 
     def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's `tensor` (in place)."""
+        """The sum of every rank's `tensor` (in place): through shared memory where it fits,
+        else gloo."""
         start = time.perf_counter()
-        self._collective(dist.all_reduce, tensor)
+        if self.shm.fits(tensor):
+            try:
+                self.shm(tensor)
+            except ShmTimeout as exc:
+                gone = self._exited(wait_s=1.0)
+                raise TPError(f"tp: {gone or exc} during a step") from exc
+        else:
+            self._collective(dist.all_reduce, tensor)
         self.reduce_s += time.perf_counter() - start
         return tensor
+
+    def setup(self, config: Any) -> None:
+        """Send the workers the engine config their caches follow."""
+        self.send(TPSetup(config, self.shm_tag))
 
     def agree(self, mine: dict[str, Any]) -> None:
         """Refuse ranks that hold another model, plan or dtype (they are told to exit)."""
@@ -158,4 +187,5 @@ class TPGroup:
                 w.kill()
                 w.wait()
         dist.destroy_process_group()
+        self.shm.close(unlink=True)
         torch.set_num_threads(self._threads)

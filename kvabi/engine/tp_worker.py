@@ -2,32 +2,42 @@
 
     python -m kvabi.engine.tp_worker --model M --dtype fp32 --rank 1 --size 2 --port P
 
-It loads the model, keeps its shard (kvabi/parallel/tp_shard.py), checks with rank 0 that they agree (model
-fingerprint, plan, dtype), builds its KV cache from rank 0's engine config (the same block
-count), then runs each step rank 0 broadcasts until told to stop. It exits when rank 0 goes
-(a collective fails or times out), never waits forever.
+It loads the model, keeps its shard (kvabi/parallel/tp_shard.py), checks with rank 0 that
+they agree (model fingerprint, plan, dtype), builds its KV cache from rank 0's engine config
+(the same block count), then runs each step rank 0 broadcasts until told to stop. It exits
+when rank 0 goes (a collective fails or times out), never waits forever.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-from kvabi.engine.engine import EngineConfig, LLMEngine
-from kvabi.engine.tp_group import TPStep, agreement, init_group
+from kvabi.engine.engine import LLMEngine
+from kvabi.engine.tp_group import TPSetup, TPStep, agreement, init_group
+from kvabi.engine.tp_shm import ShmAllReduce, shm_path
 from kvabi.models.registry import load_model
 from kvabi.parallel.tp_shard import llama_plan, shard_llama
 
 log = logging.getLogger("kvabi.tp_worker")
 
 
-def _reduce(tensor: torch.Tensor) -> torch.Tensor:
-    dist.all_reduce(tensor)
-    return tensor
+class Reducer:
+    """This rank's all-reduce: shared memory once rank 0 named its file, else gloo."""
+
+    def __init__(self) -> None:
+        self.shm: ShmAllReduce | None = None
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.shm is not None and self.shm.fits(tensor):
+            return self.shm(tensor)
+        dist.all_reduce(tensor)
+        return tensor
 
 
 def _recv() -> object:
@@ -43,15 +53,19 @@ def serve(args: argparse.Namespace) -> int:
     init_group(args.rank, args.size, args.port, args.timeout)
     full = load_model(args.model or None, args.dtype, progress=False)
     plan = llama_plan(full, args.size)
-    shard = shard_llama(full, plan, args.rank, _reduce)
+    reduce = Reducer()
+    shard = shard_llama(full, plan, args.rank, reduce)
     mine = agreement(model_fingerprint(args.model or None, full), plan, args.dtype)
     dist.all_gather_object([None] * args.size, mine)
     del full
     setup = _recv()
-    if not isinstance(setup, EngineConfig):
+    if not isinstance(setup, TPSetup):
         log.error("tp rank %d: rank 0 refused the group: %s", args.rank, setup)
         return 2
-    engine = LLMEngine(shard, setup, "tp-worker")
+    parent = os.getppid()
+    reduce.shm = ShmAllReduce(shm_path(setup.shm_tag), args.rank, args.size, args.timeout)
+    reduce.shm.alive = lambda: os.getppid() == parent  # rank 0 started this process
+    engine = LLMEngine(shard, setup.config, "tp-worker")
     runner, storages = engine.runner, engine.cache.storages
     while True:
         step = _recv()
