@@ -60,7 +60,8 @@ def run(quick: bool, json_path: str | None, dtype: str = "auto") -> dict:
             _measure(llm, 1, 8)  # warm-up: kernels built, allocator grown
             results[size] = {b: _measure(llm, b, max_tokens) for b in BATCHES}
             if size == 1:
-                figures["ran_on"] = _ran_on(llm) | {"tp2": "all-reduce through /dev/shm, broadcast over gloo, 1 torch thread per rank"}
+                how = "all-reduce through /dev/shm, broadcast over gloo, 1 torch thread per rank"
+                figures["ran_on"] = _ran_on(llm) | {"tp2": how}
                 figures["dtype"] = str(llm.engine.loaded.model.dtype).removeprefix("torch.")
         finally:
             llm.engine.close()
