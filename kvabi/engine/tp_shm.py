@@ -92,7 +92,7 @@ class ShmAllReduce:
         view = self._views.get(key)
         if view is None:
             offset = FLAG_STRIDE * self.size + (buf * self.size + rank) * SLOT_BYTES
-            count = SLOT_BYTES // torch.empty((), dtype=dtype).element_size()
+            count = SLOT_BYTES // dtype.itemsize
             view = torch.frombuffer(self._map, dtype=dtype, count=count, offset=offset)
             self._views[key] = view
         return view
@@ -111,7 +111,7 @@ class ShmAllReduce:
                     raise ShmTimeout(f"tp: no rank reached all-reduce {k} in {self.timeout_s} s")
 
     def close(self, unlink: bool = False) -> None:
-        self._views.clear()
+        self._views.clear()  # the map closes only once no view exports its buffer
         self._flags = np.zeros(self.size, np.int64)
         with contextlib.suppress(BufferError):  # a view still alive: it goes with the process
             self._map.close()
