@@ -10,6 +10,10 @@ order on every rank, so their residual streams stay bit-identical) into its tens
 writes buffer k % 2 again only in round k + 2, after every flag reached k + 1, which each
 rank sets only once it has read round k: one barrier per all-reduce.
 
+No fence orders a slot's bytes before its flag: the copies are torch's ordinary vector stores
+and loads, which x86 (total store order) keeps in program order. A weakly ordered CPU (Arm)
+would need a release store and an acquire load here; kvabi's machines are x86.
+
 The file is unlinked as soon as every rank has mapped it (after the first round completes,
 which every rank reaches only once attached), so a rank killed later leaves nothing behind.
 
