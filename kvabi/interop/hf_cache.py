@@ -16,6 +16,14 @@ MLA models (DeepSeek-V3): HF caches the latents in the same `DynamicLayer`s, key
 preset `hf-dynamic-mla`, buffer keys `'{layer}.latent'`, `'{layer}.rope'`. Every layer's shapes
 are checked against the model's planes, so an attention cache offered as MLA, or the reverse,
 is refused before any byte is read as KV.
+
+DeepSeek V3.2: each layer (`DynamicIndexedLayer`) also keeps its indexer keys
+`[batch, T, index_head_dim]` (post-RoPE, unquantised, the model's dtype); kvabi's sidecar plane
+`indexer` holds them as vLLM does, fp8 e4m3 with a float32 scale per token
+(`kvabi/abi/indexer_record.py`). So HF -> kvabi rounds each key as vLLM's writer would (what the
+kvabi engine stores of the same key), kvabi -> HF gives the dequantised keys in the cache's
+dtype: a round trip returns fp8's rounding of the keys, not the keys. A layer that lacks the
+indexer keys its model declares, or holds keys its model does not, is refused.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ from kvabi.abi.buffers import CacheBuffers
 from kvabi.abi.codec import TORCH_DTYPES
 from kvabi.abi.convert import convert
 from kvabi.abi.descriptor import MLA, LayerSpec, ModelSpec
+from kvabi.abi.errors import MissingPlaneError
+from kvabi.abi.indexer_record import decode_blocks, encode_blocks
 from kvabi.abi.kv_groups import window_start
 from kvabi.abi.presets import preset_descriptor
 from kvabi.interop.errors import InteropError, ModelMismatchError, UnsupportedTypeError
@@ -67,6 +77,7 @@ def dynamic_cache_to_buffers(cache: Any, model: ModelSpec, batch_index: int = 0)
             if spec.window:
                 row = _pad_window(row, num_tokens, spec.window, i)
             tensors[f"{i}.{plane.name}"] = row.cpu().contiguous()  # [H, T, D]
+        tensors |= _indexer_records(layer, spec, i, batch_index)
     dtype = _dtype_name(next(iter(tensors.values())).dtype)
     return CacheBuffers(preset_descriptor(hf_preset(model), model, dtype=dtype), tensors)
 
@@ -86,6 +97,31 @@ def _check_planes(held: tuple[torch.Tensor, torch.Tensor], spec: LayerSpec, laye
             f"layer {layer_id}: the cache's keys and values are {got} (heads, width); the "
             f"model's {spec.kind} layer caches {want} ({', '.join(p.name for p in spec.planes)})"
         )
+
+
+def _indexer_records(
+    layer: Any, spec: LayerSpec, layer_id: int, batch_index: int
+) -> dict[str, torch.Tensor]:
+    """A V3.2 layer's indexer keys as the sidecar plane's records (u8 `[T, D + 4]`)."""
+    keys = getattr(layer, "indexer_keys", None)
+    held = keys is not None and keys.numel() > 0
+    if not spec.sidecar_planes:
+        if held:
+            raise ModelMismatchError(
+                f"layer {layer_id}: the cache holds indexer keys; the model's layer has no "
+                "indexer plane (a V3.2 cache is not read as V3's)"
+            )
+        return {}
+    (plane,) = spec.sidecar_planes
+    if not held:
+        raise MissingPlaneError(layer_id, plane.name, "the HF cache holds no indexer keys")
+    row = keys[batch_index].detach()  # [T, D]
+    if row.shape[-1] != plane.width or row.shape[0] != layer.keys.shape[-2]:
+        raise ModelMismatchError(
+            f"layer {layer_id}: indexer keys {list(row.shape)}; the model's plane is "
+            f"{plane.width} wide, one key per cached token ({layer.keys.shape[-2]})"
+        )
+    return {f"{layer_id}.{plane.name}": encode_blocks(row.cpu(), 1)}  # [T, D + 4]
 
 
 def _num_tokens(layers: list[Any], model: ModelSpec) -> int:
@@ -137,7 +173,8 @@ def buffers_to_dynamic_cache(
     """A `DynamicCache` (batch 1) holding the first `num_tokens` tokens of any kvabi cache.
 
     The cache converts to `hf-dynamic` (`hf-dynamic-mla`) for a model with `config` (K
-    re-ordered to HF's pairing, values decoded, fp8_ds_mla records dequantised); `config`'s
+    re-ordered to HF's pairing, values decoded, fp8_ds_mla records dequantised; V3.2's
+    indexer keys dequantised into each layer's `indexer_keys`); `config`'s
     geometry, layer kinds and windows must match the cache's model. A sliding
     layer keeps exactly what HF keeps after a prefill of those tokens (the last window - 1).
     `dtype` defaults to the
@@ -169,7 +206,12 @@ def buffers_to_dynamic_cache(
         for i, spec in enumerate(hf_model.layers)
     ]  # per layer (keys, values): [1, H, T, D]; MLA: c_kv [1, 1, T, rank], k_pe [1, 1, T, rope]
     # a DynamicSlidingWindowLayer fed all T tokens keeps the last window - 1 and counts T
-    return DynamicCache(pairs, config=config)
+    hf_cache = DynamicCache(pairs, config=config)
+    for i, spec in enumerate(hf_model.layers):
+        for plane in spec.sidecar_planes:  # V3.2: the indexer keys, dequantised
+            keys = decode_blocks(out.tensors[f"{i}.{plane.name}"], plane.width)  # [T, D]
+            hf_cache.layers[i].update_indexer(keys.to(dtype=dtype, device=device)[None])
+    return hf_cache
 
 
 def cache_kwarg(model: Any) -> str:

@@ -110,15 +110,19 @@ def model_spec_from_hf_config(
 
 def _mla_model_spec(cfg: Any, fingerprint: str, rope_pairing: str) -> ModelSpec:
     """DeepSeek-V3's MLA cache: per layer the latent c_kv (after kv_a_layernorm) and k_pe after
-    RoPE, in `half` order (HF de-interleaves `rope_interleave` models before rotating). Other
-    latent models cache otherwise (V2: expanded keys; V3.2: an indexer key beside the latents)
-    and are refused rather than mapped short of a plane."""
-    if cfg.model_type != "deepseek_v3":
+    RoPE, in `half` order (HF de-interleaves `rope_interleave` models before rotating); V3.2's
+    also its indexer key per token (the sidecar plane `indexer`, `index_head_dim` wide). Other
+    latent models cache otherwise (V2: expanded keys) and are refused rather than mapped short
+    of a plane."""
+    if cfg.model_type not in ("deepseek_v3", "deepseek_v32"):
         raise InteropError(
             f"model_type {cfg.model_type!r}: of the latent-attention models only DeepSeek-V3's "
-            "HF cache (c_kv, k_pe per layer) is mapped"
+            "and V3.2's HF caches (c_kv, k_pe per layer; V3.2 its indexer keys too) are mapped"
         )
-    layer = LayerSpec(MLA, latent_dim=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim)
+    indexer_dim = cfg.index_head_dim if cfg.model_type == "deepseek_v32" else 0
+    layer = LayerSpec(
+        MLA, latent_dim=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, indexer_dim=indexer_dim
+    )
     return ModelSpec((layer,) * cfg.num_hidden_layers, fingerprint, rope_pairing=rope_pairing)
 
 
