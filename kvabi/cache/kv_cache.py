@@ -60,6 +60,7 @@ class KVCache:
         prefix_caching: bool = True,
         tiers: TierConfig = TierConfig(),
         events: BlockEventSink | None = None,
+        make_storage: Callable[[Descriptor, int], KVStorage] = KVStorage,
     ) -> None:
         """`desc`: the storage's layout (a paged preset of the model); `num_blocks`: per block
         pool (one number: every pool); `events`: told of every change to the index of cached
@@ -69,7 +70,10 @@ class KVCache:
         A hybrid model (sliding, shared or KV-less layers) gets several block groups over one
         pool per layer geometry (kvabi/cache/block_groups.py); its prefix match, held, export
         and import go per group (kvabi/cache/group_blocks.py), tier entries too (one
-        `TieredCache` per pool over the same tiers)."""
+        `TieredCache` per pool over the same tiers).
+
+        `make_storage(pool_desc, num_blocks)` builds each pool's storage (a TP group's rank 0:
+        one holding its heads, whose whole blocks hold every rank's: kvabi/engine/tp_storage.py)."""
         self.desc, self.block_size = desc, desc.layout.block_size
         self.is_prefix_caching = prefix_caching
         self.plan = plan_groups(desc.model)
@@ -78,7 +82,7 @@ class KVCache:
             [num_blocks] * len(self.plan.pool_specs) if isinstance(num_blocks, int) else num_blocks
         )
         self.storages = [
-            KVStorage(Descriptor(spec, desc.layout), n)
+            make_storage(Descriptor(spec, desc.layout), n)
             for spec, n in zip(self.plan.pool_specs, counts, strict=True)
         ]
         self.storage = self.storages[0]
@@ -204,6 +208,7 @@ class KVCache:
         """A copy of the prompt's pooled blocks from `start_token` (a block boundary) up to
         the first one the pool lacks, in this cache's layout."""
         if not self.plan.is_uniform:
+            self._check_local("a hybrid cache's export")
             return export_groups(self, token_ids, cache_salt, start_token)
         hashes = self.hasher.hashes(token_ids, cache_salt)
         first = start_token // self.block_size
@@ -220,6 +225,7 @@ class KVCache:
         group), in this cache's layout: that layer's section of a container of them, before
         any window tail is cut (called mid-forward, once the layer's K/V are stored). A
         sliding layer's blocks before its window at `blocks.stop` are zeros."""
+        self._check_local("a layer's export")
         if not self.plan.is_uniform:
             return export_group_layer(self, layer_id, block_tables, blocks)
         index = torch.tensor(block_tables[0][blocks], dtype=torch.long)
@@ -277,6 +283,11 @@ class KVCache:
         """Finish queued write-downs and release the tiers (their connections and thread)."""
         for tiers in reversed(self.pool_tiers) if self.tiers is not None else ():
             tiers.close()  # the first pool's, which owns the tiers, last
+
+    def _check_local(self, what: str) -> None:
+        """Refuse a path that reads the tensors directly where they hold part of each block."""
+        if any(s.entry_desc is not s.desc for s in self.storages):
+            raise ValueError(f"{what} reads one rank's heads; under TP it is not supported")
 
     def _tier_key(self, key: BlockKey, group_id: int) -> BlockKey:
         """A block's key in the tiers: its own, or, in a hybrid cache, its group's."""

@@ -42,6 +42,7 @@ class KVStorage:
         self.desc = desc
         self.block_size = desc.layout.block_size
         self.buffers = CacheBuffers.empty(desc, num_blocks, "zeros")
+        self.entry_desc = desc  # what read_blocks gives (a TP group's rank 0: the whole cache)
         self.k: list[torch.Tensor] = []  # per layer [num_blocks, block_size, num_kv_heads, dim]
         self.v: list[torch.Tensor] = []
         # MLA: per layer [num_blocks, block_size, 1, latent + rope], k its latent, v its rope
@@ -134,6 +135,11 @@ class KVStorage:
     @property
     def num_blocks(self) -> int:
         return self.buffers.extent
+
+    @property
+    def entry_block_bytes(self) -> int:
+        """Bytes of one block as `read_blocks` gives it."""
+        return self.buffers.num_bytes // self.num_blocks
 
     def write(
         self,

@@ -52,13 +52,13 @@ class TieredCache:
     @classmethod
     def build(cls, config: TierConfig, storage: KVStorage) -> TieredCache:
         """The configured tiers below this storage."""
-        tiers = config.build(storage.desc.model.compat_digest())
-        return cls(storage.desc, tiers, config, storage)
+        tiers = config.build(storage.entry_desc.model.compat_digest())
+        return cls(storage.entry_desc, tiers, config, storage)
 
     def beside(self, storage: KVStorage, config: TierConfig) -> TieredCache:
         """The same tiers below another storage (another block pool of a hybrid cache): its
         own codec and writer, the tiers' room and connections shared; close it first."""
-        other = TieredCache(storage.desc, self.tiers, config, storage)
+        other = TieredCache(storage.entry_desc, self.tiers, config, storage)
         other.owns_tiers = False
         return other
 
@@ -69,7 +69,7 @@ class TieredCache:
     def write_down(self, block_ids: list[int], keys: list[BlockKey]) -> None:
         """Queue a copy of these blocks for the tiers (room is reserved before anything is
         copied; what does not fit is dropped and counted)."""
-        block_bytes = self.storage.buffers.num_bytes // self.storage.num_blocks
+        block_bytes = self.storage.entry_block_bytes
         n = self.writer.reserve(len(block_ids), block_bytes)
         if n:
             snapshot = self.storage.read_blocks(block_ids[:n])
