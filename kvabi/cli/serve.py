@@ -215,7 +215,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         draft_model=args.draft_model,
         tensor_parallel_size=args.tensor_parallel_size,
         tiers=tier_config(args),
-        hooks=server_hooks(settings, disagg),
+        hooks=server_hooks(settings, disagg, args.tensor_parallel_size or 1),
     )
     run_server(llm.engine, settings, args.host, args.port, args.log_level, disagg)
     return 0

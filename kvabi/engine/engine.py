@@ -17,6 +17,7 @@ import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
@@ -25,6 +26,7 @@ from kvabi.abi.presets import PRESETS, preset_descriptor
 from kvabi.cache.block_events import BlockEventSink
 from kvabi.cache.block_groups import plan_groups
 from kvabi.cache.kv_cache import KVCache
+from kvabi.cache.kv_storage import KVStorage
 from kvabi.cache.tier_config import TierConfig
 from kvabi.engine.assistant_draft import AssistantDrafting, window_slack
 from kvabi.engine.fused_decode import FusedDecode
@@ -45,6 +47,7 @@ from kvabi.engine.spec_decode import (
     next_backoff,
 )
 from kvabi.engine.tp_group import TPGroup
+from kvabi.engine.tp_storage import TPStorage
 from kvabi.models.decoder import Decoder
 from kvabi.models.gemma4 import Gemma4Model
 from kvabi.models.gemma4_assistant import Gemma4Assistant, load_gemma4_assistant
@@ -146,14 +149,17 @@ class LLMEngine:
         if tp is not None:
             check_tp(config, hooks)
         drafter = None if config.draft_model is None else _assistant(loaded, config.draft_model)
-        self.info, slack = self._start(loaded, config, fingerprint, drafter)
+        self.info, slack = self._start(loaded, config, fingerprint, drafter, tp)
         self.cache = KVCache(
             self.info.descriptor,
             self.info.pool_blocks,
             config.enable_prefix_caching,
             config.tiers,
             hooks.block_events,
+            KVStorage if tp is None else partial(_tp_storage, tp),
         )
+        if tp is not None and config.tiers.is_enabled and not self.cache.plan.is_uniform:
+            raise ValueError("tensor_parallel_size: tiers under TP need one full-attention group")
         spec = None if config.speculative is None else SpecConfig.parse(config.speculative)
         if spec is not None and spec.exit_layer:
             _check_early_exit(loaded, spec.exit_layer)
@@ -180,9 +186,9 @@ class LLMEngine:
             fused = FusedDecode.build(model, self.cache.storage, kernels)
         self.runner = ModelRunner(model, attention, self.cache.groups, fused)
         self.runner.keep_hidden = self.assistant is not None
-        if tp is not None:  # the workers' caches: as many blocks as this one's
-            self.runner.tp = tp
-            tp.setup(replace(config, num_blocks=self.info.pool_blocks[0]))
+        if tp is not None:  # the workers' caches: as many blocks as this one's, no tiers
+            self.runner.tp = tp  # (rank 0 moves whole blocks to and from them: TPStorage)
+            tp.setup(replace(config, num_blocks=self.info.pool_blocks[0], tiers=TierConfig()))
         self.requests: dict[str, list[Sequence]] = {}
         self.num_computed_tokens = 0  # tokens run through the model, ever: progress
         self._ids = itertools.count()
@@ -193,16 +199,19 @@ class LLMEngine:
         config: EngineConfig,
         fingerprint: str,
         drafter: Gemma4Assistant | None,
+        tp: TPGroup | None = None,
     ) -> tuple[EngineInfo, int]:
         """What the engine finds at start-up, and the keys its sliding groups keep before
-        their windows for `drafter` (counted in their blocks as part of a step's chunk)."""
+        their windows for `drafter` (counted in their blocks as part of a step's chunk).
+        Under TP (`loaded` rank 0's shard) the descriptor is the whole model's cache, every
+        rank's heads, and the block count what rank 0's heads fit."""
         dtype = "bf16" if loaded.model.dtype == torch.bfloat16 else "f32"
         spec = model_spec(loaded, fingerprint)
         name = kv_layout_preset(config.kv_layout, spec)
+        kwargs = {"block_size": config.block_size}
         if PRESETS[name].layout.quant == "none":  # the model's dtype; a codec keeps its own
-            desc = preset_descriptor(name, spec, block_size=config.block_size, dtype=dtype)
-        else:
-            desc = preset_descriptor(name, spec, block_size=config.block_size)
+            kwargs["dtype"] = dtype
+        desc = preset_descriptor(name, spec, **kwargs)  # what this process's tensors hold
         plan = plan_groups(desc.model)
         slack = 0 if drafter is None else window_slack(drafter, loaded.config, plan)
         chunk = config.max_num_batched_tokens + slack
@@ -211,6 +220,8 @@ class LLMEngine:
         blocks = blocks or pool_blocks(desc, plan, config.kv_cache_bytes, max_len, chunk)
         limit = sum(blocks) * config.block_size
         max_kv = max_seq_tokens(plan, blocks, config.block_size, chunk, limit)
+        if tp is not None:
+            desc = preset_descriptor(name, ModelSpec(tp.kv_layers, fingerprint), **kwargs)
         return EngineInfo(desc, blocks, max_len, loaded.stop_token_ids, max_kv), slack
 
     def add_request(
@@ -499,12 +510,17 @@ def _check_early_exit(loaded: LoadedModel, exit_layer: int) -> None:
 
 def check_tp(config: EngineConfig, hooks: EngineHooks) -> None:
     """What tensor parallelism does not run yet: refused before any step."""
-    if config.tiers.is_enabled:
-        raise ValueError("tensor_parallel_size: lower tiers would hold rank 0's heads only")
     if config.speculative is not None and SpecConfig.parse(config.speculative).method != "ngram":
         raise ValueError("tensor_parallel_size: of the speculative methods, ngram only")
     if hooks.on_prompt_layer is not None:
-        raise ValueError("tensor_parallel_size: a prefill role sends rank 0's heads only")
+        raise ValueError(
+            "tensor_parallel_size: a layer-streaming prefill would send rank 0's heads; "
+            "under TP a prefill instance sends the whole blocks once the prompt is computed"
+        )
+
+
+def _tp_storage(tp: TPGroup, desc: Descriptor, num_blocks: int) -> KVStorage:
+    return TPStorage(desc, num_blocks, tp, pool_id=0)
 
 
 def _assistant(loaded: LoadedModel, folder: str) -> Gemma4Assistant:

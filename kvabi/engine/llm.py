@@ -134,6 +134,7 @@ def tp_engine(
     group = TPGroup.launch(name, dtype, size, threads=max(1, (os.cpu_count() or 1) // size))
     try:
         group.agree(agreement(fingerprint, plan, dtype))
+        group.plan, group.kv_layers = plan, loaded.config.kv_layers()
         shard = shard_llama(loaded, plan, 0, group.reduce)
         return LLMEngine(shard, config, fingerprint, hooks, tp=group)
     except BaseException:

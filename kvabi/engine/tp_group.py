@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kvabi.abi.buffers import CacheBuffers
+from kvabi.abi.descriptor import Descriptor
 from kvabi.engine.paged_attention import StepContext
 from kvabi.engine.tp_shm import ShmAllReduce, ShmTimeout, shm_path
 
@@ -54,6 +56,17 @@ class TPStep:
     ids: torch.Tensor
     positions: torch.Tensor
     ctxs: tuple[StepContext, ...]
+
+
+@dataclass(frozen=True)
+class TPBlocks:
+    """Whole blocks crossing the group's boundary: `gather` (each worker sends rank 0 its heads
+    of pool `pool_id`'s blocks `block_ids`, tensor by tensor in key order) or not (rank 0 sends
+    each worker its heads, which it writes there)."""
+
+    pool_id: int
+    block_ids: tuple[int, ...]
+    gather: bool
 
 
 def free_port() -> int:
@@ -88,6 +101,9 @@ class TPGroup:
         torch.set_num_threads(threads)
         self.closed = False
         self.reduce_s = self.send_s = 0.0  # rank 0's seconds in all-reduces and broadcasts
+        self.move_s = 0.0  # rank 0's seconds gathering and scattering whole blocks
+        self.plan: Any = None  # the TPPlan, and the whole model's KV layers (tp_engine sets)
+        self.kv_layers: tuple[Any, ...] = ()
         self.num_steps = 0  # steps broadcast
 
     @classmethod
@@ -146,6 +162,33 @@ class TPGroup:
         self._collective(dist.broadcast_object_list, [message], 0)
         self.send_s += time.perf_counter() - start
         self.num_steps += isinstance(message, TPStep)
+
+    def gather_blocks(
+        self, pool_id: int, block_ids: list[int], descs: list[Descriptor]
+    ) -> list[CacheBuffers]:
+        """Ranks 1 .. N-1's copies of pool `pool_id`'s blocks `block_ids` (`descs[r]`: rank
+        r's cache)."""
+        self.send(TPBlocks(pool_id, tuple(block_ids), gather=True))
+        start = time.perf_counter()
+        shards = []
+        for rank in range(1, self.size):
+            shard = CacheBuffers.empty(descs[rank], len(block_ids))
+            for key in sorted(shard.tensors):
+                self._collective(dist.recv, shard.tensors[key], rank)
+            shards.append(shard)
+        self.move_s += time.perf_counter() - start
+        return shards
+
+    def scatter_blocks(
+        self, pool_id: int, block_ids: list[int], shards: list[CacheBuffers]
+    ) -> None:
+        """Have ranks 1 .. N-1 write `shards[r]` (rank r's heads) into their blocks `block_ids`."""
+        self.send(TPBlocks(pool_id, tuple(block_ids), gather=False))
+        start = time.perf_counter()
+        for rank in range(1, self.size):
+            for key in sorted(shards[rank].tensors):
+                self._collective(dist.send, shards[rank].tensors[key].contiguous(), rank)
+        self.move_s += time.perf_counter() - start
 
     def check_alive(self) -> None:
         if self.closed:

@@ -4,7 +4,9 @@
 
 It loads the model, keeps its shard (kvabi/parallel/tp_shard.py), checks with rank 0 that
 they agree (model fingerprint, plan, dtype), builds its KV cache from rank 0's engine config
-(the same block count), then runs each step rank 0 broadcasts until told to stop. It exits
+(the same block count, no tiers), then runs each step rank 0 broadcasts until told to stop.
+Between steps it sends rank 0 its heads of whole blocks, or writes the heads rank 0 sends it
+(tier entries and prefill/decode transfers are whole: kvabi/engine/tp_storage.py). It exits
 when rank 0 goes (a collective fails or times out), never waits forever.
 """
 
@@ -18,8 +20,10 @@ import sys
 import torch
 import torch.distributed as dist
 
+from kvabi.abi.buffers import CacheBuffers
+from kvabi.cache.kv_storage import KVStorage
 from kvabi.engine.engine import LLMEngine
-from kvabi.engine.tp_group import TPSetup, TPStep, agreement, init_group
+from kvabi.engine.tp_group import TPBlocks, TPSetup, TPStep, agreement, init_group
 from kvabi.engine.tp_shm import ShmAllReduce, shm_path
 from kvabi.models.registry import load_model
 from kvabi.parallel.tp_shard import llama_plan, shard_llama
@@ -71,11 +75,29 @@ def serve(args: argparse.Namespace) -> int:
         step = _recv()
         if step is None:
             return 0
+        if isinstance(step, TPBlocks):
+            move_blocks(storages[step.pool_id], step)
+            continue
         assert isinstance(step, TPStep), type(step)
         for pool_id, srcs, dsts in step.copies:
             storages[pool_id].copy_blocks(list(srcs), list(dsts))
         with torch.inference_mode(), runner.attention.step(step.ctxs, None):
             runner.model.hidden_states(step.ids, step.positions, runner.attention)
+
+
+def move_blocks(storage: KVStorage, message: TPBlocks) -> None:
+    """Send rank 0 this rank's heads of the blocks (tensor by tensor, in key order), or
+    receive and write them."""
+    ids = list(message.block_ids)
+    if message.gather:
+        blocks = storage.read_blocks(ids)
+        for key in sorted(blocks.tensors):
+            dist.send(blocks.tensors[key].contiguous(), 0)
+        return
+    blocks = CacheBuffers.empty(storage.desc, len(ids))
+    for key in sorted(blocks.tensors):
+        dist.recv(blocks.tensors[key], 0)
+    storage.write_blocks(blocks, ids)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,12 +44,17 @@ R = TypeVar("R", CompletionRequest, ChatRequest)
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
-def server_hooks(settings: ServerSettings, disagg: DisaggSettings | None = None) -> EngineHooks:
+def server_hooks(
+    settings: ServerSettings, disagg: DisaggSettings | None = None, tp_size: int = 1
+) -> EngineHooks:
     """What a server's engine is built with: a block-event log to publish (`--kv-events`), and
-    on a prefill instance whose transport streams layers, the feeds that send them."""
+    on a prefill instance whose transport streams layers, the feeds that send them (not under
+    TP, `tp_size` > 1: rank 0 holds only its heads mid-forward; the whole blocks are gathered
+    and sent once the prompt is computed)."""
     events = BlockEventLog("CPU") if settings.kv_events is not None else None  # host memory
     feeds = None
-    if disagg is not None and disagg.role == "prefill" and disagg.transport_type.streams_layers:
+    is_prefill = disagg is not None and disagg.role == "prefill"
+    if is_prefill and disagg.transport_type.streams_layers and tp_size == 1:
         feeds = PromptFeeds()
     return EngineHooks(on_prompt_layer=feeds, block_events=events)
 

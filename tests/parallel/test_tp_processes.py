@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from kvabi.cache.tier_config import TierConfig
 from kvabi.engine.llm import LLM
 from kvabi.engine.sampling_params import SamplingParams
 from kvabi.engine.tp_group import TPError, TPGroup, agreement
@@ -73,9 +72,6 @@ def test_ranks_holding_another_model_are_refused(tmp_path: Path) -> None:
 
 
 def test_what_tp_does_not_run_yet_is_refused_before_any_process_starts(tmp_path) -> None:
-    tiers = TierConfig(host_bytes=2**20)
-    with pytest.raises(ValueError, match="tiers"):
-        LLM(MODEL, dtype="fp32", progress=False, tensor_parallel_size=2, tiers=tiers)
     with pytest.raises(ValueError, match="ngram only"):
         LLM(MODEL, progress=False, tensor_parallel_size=2, speculative="early-exit:exit=4")
     with pytest.raises(ValueError, match=">= 1"):
