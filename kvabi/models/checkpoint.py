@@ -10,6 +10,8 @@ from kvabi.models.config import ModelConfig
 from kvabi.models.cpu_kernels import has_native_bf16
 from kvabi.models.deepseek_v3 import DeepseekV3Model
 from kvabi.models.deepseek_v3_config import DeepseekV3Config
+from kvabi.models.deepseek_v4 import DeepseekV4Model
+from kvabi.models.deepseek_v4_config import DeepseekV4Config
 from kvabi.models.deepseek_v32 import DeepseekV32Model
 from kvabi.models.gemma3 import Gemma3Model
 from kvabi.models.gemma3_config import Gemma3Config
@@ -19,12 +21,15 @@ from kvabi.models.laguna import LagunaModel
 from kvabi.models.laguna_config import LagunaConfig
 from kvabi.models.llama import LlamaModel
 
-AnyConfig = ModelConfig | Gemma3Config | Gemma4Config | LagunaConfig | DeepseekV3Config
-AnyModel = LlamaModel | Gemma3Model | Gemma4Model | LagunaModel | DeepseekV3Model
+AnyConfig = (
+    ModelConfig | Gemma3Config | Gemma4Config | LagunaConfig | DeepseekV3Config | DeepseekV4Config
+)
+AnyModel = LlamaModel | Gemma3Model | Gemma4Model | LagunaModel | DeepseekV3Model | DeepseekV4Model
 # architecture -> model class; every other architecture is a LlamaModel
 MODEL_CLASSES: dict[str, type[AnyModel]] = {
     "deepseek_v3": DeepseekV3Model,
     "deepseek_v32": DeepseekV32Model,
+    "deepseek_v4": DeepseekV4Model,
     "gemma3": Gemma3Model,
     "gemma4": Gemma4Model,
     "laguna": LagunaModel,

@@ -14,18 +14,29 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def clamp_swiglu(
+    gate: torch.Tensor, up: torch.Tensor, limit: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek V4's clipped SwiGLU inputs: gate <= limit, |up| <= limit (None: unclipped)."""
+    if limit is None:
+        return gate, up
+    return gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+
+
 class SiluMLP(nn.Module):
     """One gated MLP, `down(silu(gate(x)) * up(x))`, HF's names (Laguna's and DeepSeek-V3's
-    dense layers and shared experts)."""
+    dense layers and shared experts; DeepSeek V4's with its inputs clipped at `limit`)."""
 
-    def __init__(self, hidden_size: int, inner_size: int) -> None:
+    def __init__(self, hidden_size: int, inner_size: int, limit: float | None = None) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, inner_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, inner_size, bias=False)
         self.down_proj = nn.Linear(inner_size, hidden_size, bias=False)
+        self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = clamp_swiglu(self.gate_proj(x), self.up_proj(x), self.limit)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Experts(nn.Module):
@@ -35,11 +46,12 @@ class Experts(nn.Module):
         hidden_size: int,
         inner_size: int,
         act: Callable[[torch.Tensor], torch.Tensor],
+        limit: float | None = None,
     ) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inner_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, inner_size))
-        self.act = act
+        self.act, self.limit = act, limit
 
     def forward(
         self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -50,6 +62,7 @@ class Experts(nn.Module):
         for expert_id in torch.unique(top_k_index).tolist():  # ascending
             slots, token_ids = torch.where(top_k_index.T.eq(expert_id))  # [slot, token] order
             gate, up = F.linear(x[token_ids], self.gate_up_proj[expert_id]).chunk(2, dim=-1)
+            gate, up = clamp_swiglu(gate, up, self.limit)
             h = F.linear(self.act(gate) * up, self.down_proj[expert_id])  # [n, hidden]
             h = h * top_k_weights[token_ids, slots, None]
             out.index_add_(0, token_ids, h.to(out.dtype))

@@ -24,6 +24,12 @@ from kvabi.models.deepseek_v3_config import (
     read_deepseek_v3_config,
     read_deepseek_v32_config,
 )
+from kvabi.models.deepseek_v4_config import (
+    DeepseekV4Config,
+    deepseek_v4_weight_name,
+    keeps_fp32,
+    read_deepseek_v4_config,
+)
 from kvabi.models.errors import CheckpointError, MissingFieldError, UnknownArchitectureError
 from kvabi.models.expert_weights import merge_expert_weights
 from kvabi.models.gemma3_config import Gemma3Config, gemma3_weight_name, read_gemma3_config
@@ -34,6 +40,7 @@ from kvabi.models.laguna_config import LagunaConfig, laguna_weight_name, read_la
 OWN_READERS = {
     "deepseek_v3": read_deepseek_v3_config,
     "deepseek_v32": read_deepseek_v32_config,
+    "deepseek_v4": read_deepseek_v4_config,
     "gemma3": read_gemma3_config,
     "gemma3_text": read_gemma3_config,
     "gemma4": read_gemma4_config,
@@ -154,7 +161,23 @@ def _our_name(hf_name: str, config: AnyConfig) -> str | None:
         return laguna_weight_name(hf_name)
     if isinstance(config, DeepseekV3Config):
         return deepseek_v3_weight_name(config, hf_name)
+    if isinstance(config, DeepseekV4Config):
+        return deepseek_v4_weight_name(hf_name)
     return hf_name.removeprefix("model.")
+
+
+def _as_loaded(
+    tensor: torch.Tensor, name: str, config: AnyConfig, dtype: torch.dtype
+) -> torch.Tensor:
+    """A weight in the load dtype; integer tables (V4's `tid2eid`) as they are, and the weights
+    transformers keeps in float32 (routers, V4's norms, mixes and sinks) in float32."""
+    if not tensor.is_floating_point():
+        return tensor
+    if isinstance(config, DeepseekV3Config) and name.endswith(FP32_WEIGHTS):
+        return tensor.to(torch.float32)
+    if isinstance(config, DeepseekV4Config) and keeps_fp32(name):
+        return tensor.to(torch.float32)
+    return tensor.to(dtype)
 
 
 def load_hf(
@@ -169,7 +192,6 @@ def load_hf(
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {folder}")
-    keep_fp32 = FP32_WEIGHTS if isinstance(config, DeepseekV3Config) else ()
     state_dict: dict[str, torch.Tensor] = {}
     bar = tqdm(desc="Loading safetensors", unit="tensor", disable=not progress)
     for path in files:
@@ -177,11 +199,10 @@ def load_hf(
             for key in f.keys():  # noqa: SIM118 -- safe_open is not a Mapping
                 name = _our_name(key, config)
                 if name is not None:
-                    fp32 = name.endswith(keep_fp32)
-                    state_dict[name] = f.get_tensor(key).to(torch.float32 if fp32 else torch_dtype)
+                    state_dict[name] = _as_loaded(f.get_tensor(key), name, config, torch_dtype)
                 bar.update()
     bar.close()
-    if isinstance(config, LagunaConfig | DeepseekV3Config):
+    if isinstance(config, LagunaConfig | DeepseekV3Config | DeepseekV4Config):
         state_dict = merge_expert_weights(state_dict)
     if config.tie_word_embeddings:
         state_dict.pop("lm_head.weight", None)
