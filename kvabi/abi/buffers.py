@@ -14,7 +14,15 @@ import torch
 
 from kvabi.abi.axes import dim_of, part_sizes
 from kvabi.abi.codec import stored_width, torch_dtype
-from kvabi.abi.descriptor import INDEXER, SHARED, Descriptor, LayerSpec, Layout, Plane
+from kvabi.abi.descriptor import (
+    INDEXER,
+    SHARED,
+    STATE,
+    Descriptor,
+    LayerSpec,
+    Layout,
+    Plane,
+)
 from kvabi.abi.errors import MissingPlaneError, ShapeError
 from kvabi.abi.indexer_record import record_bytes
 from kvabi.abi.tiled_view import CanonicalView, canonical_view
@@ -37,8 +45,9 @@ class BufferSpec:
 
     @property
     def is_sidecar(self) -> bool:
-        """A sidecar plane's buffer (the indexer's), outside the layer's plane groups."""
-        return self.planes == (INDEXER,)
+        """A sidecar plane's buffer (an MLA layer's indexer keys, a centries layer's state),
+        outside the layer's plane groups."""
+        return self.planes in ((INDEXER,), (STATE,))
 
     def dim(self, letter: str) -> int:
         """The tensor dimension of axis `letter` (its outer part when tiled)."""
@@ -163,8 +172,9 @@ def _sizes(
     heads = planes[0].num_heads // (lay.tp_size if layer.kind == "attn" else 1)
     width = stored_width(lay, planes) if lay.planes != "axis" else stored_width(lay, planes[:1])
     sizes = {"L": num_layers, "K": len(planes), "H": heads, "C": width}
+    rows, tokens = layer.rows_per_token  # a centries layer: a row per `ratio` tokens
     if lay.is_paged:
-        sizes |= {"B": extent, "N": lay.block_size}
+        sizes |= {"B": extent, "N": lay.block_size * rows // tokens}
     else:
         sizes["T"] = extent
     return sizes
@@ -187,9 +197,13 @@ def _spec(
 
 def _sidecar_spec(desc: Descriptor, layer_id: int, plane: Plane, extent: int) -> BufferSpec:
     """`"<layer>.indexer"`: u8 `[B, N * (D + 4)]` (paged; vLLM's block layout,
-    `kvabi/abi/indexer_record.py`) or `[T, D + 4]` (unpaged: one record per token)."""
+    `kvabi/abi/indexer_record.py`) or `[T, D + 4]` (unpaged: one record per token).
+    `"<layer>.state"` (a centries layer with overlap): u8 `[B, state_bytes]`, one per block."""
     lay = desc.layout
-    per_block = (lay.block_size if lay.is_paged else 1) * record_bytes(plane.width)
+    if plane.name == STATE:
+        per_block = desc.model.layers[layer_id].state_bytes
+    else:
+        per_block = (lay.block_size if lay.is_paged else 1) * record_bytes(plane.width)
     axes = "BC" if lay.is_paged else "TC"
     key = f"{layer_id}.{plane.name}"
     return BufferSpec(key, (layer_id,), (plane.name,), axes, (extent, per_block), torch.uint8)

@@ -48,17 +48,23 @@ class SlotMap:
         num_tokens: int,
         block_table: Sequence[int] | None,
         num_blocks: int | None = None,
+        per: tuple[int, int] = (1, 1),
     ) -> SlotMap:
-        t = torch.arange(num_tokens)
+        """`per` (rows, tokens): a layer keeping fewer rows than tokens (a centries layer: one
+        per `ratio`, `LayerSpec.rows_per_token`) maps the rows of the tokens' whole windows."""
+        rows, tokens = per
+        num_rows = num_tokens * rows // tokens
+        t = torch.arange(num_rows)
         if not layout.is_paged:
-            if num_blocks is not None and num_tokens > num_blocks:
+            if num_blocks is not None and num_rows > num_blocks:
                 raise IncompatibleError(
                     f"{num_tokens} tokens asked of an unpaged cache of {num_blocks}"
                 )
             return cls(torch.zeros_like(t), t)
-        bs = layout.block_size
+        bs = layout.block_size * rows // tokens
         table = block_table_for(layout, num_tokens, block_table, num_blocks)
-        return cls(table[t // bs], t % bs, None if num_tokens % bs else table)
+        whole = num_tokens % layout.block_size == 0 and len(table) * bs == num_rows
+        return cls(table[t // bs], t % bs, table if whole else None)
 
     def gather(self, view: CanonicalView) -> torch.Tensor:
         """The stored content of the mapped tokens: `[T, H, C]` (a copy)."""
@@ -147,6 +153,14 @@ def reshard(
             "whole-cache conversion needs equal block sizes; give num_tokens "
             "and block tables to re-block a sequence"
         )
+    if src_desc.layout.block_size != dst_desc.layout.block_size and any(
+        x.state_bytes for x in src_desc.model.layers
+    ):
+        raise IncompatibleError(
+            "compressed entries keep their compressor's state at each block's end: a cache "
+            f"of blocks of {src_desc.layout.block_size} converts to blocks of that size only, "
+            f"not {dst_desc.layout.block_size}"
+        )
     extent = srcs[0].extent if whole else _dst_extent(dst_desc.layout, num_tokens, dst_block_ids)
     outs = list(out) if out is not None else [CacheBuffers.empty(d, extent) for d in dst_descs]
     if whole and outs[0].extent != srcs[0].extent:
@@ -174,8 +188,9 @@ def reshard(
             )
         else:
             n = srcs[0].extent * max(src_desc.layout.block_size, 1) if whole else num_tokens
-            src_map = SlotMap.build(src_desc.layout, n, src_block_ids, srcs[0].extent)
-            dst_map = SlotMap.build(dst_desc.layout, n, dst_block_ids, outs[0].extent)
+            per = src_desc.model.layers[layer_id].rows_per_token
+            src_map = SlotMap.build(src_desc.layout, n, src_block_ids, srcs[0].extent, per)
+            dst_map = SlotMap.build(dst_desc.layout, n, dst_block_ids, outs[0].extent, per)
             _copy_tokens(layer_id, srcs, src_views, src_map, outs, dst_views, dst_map)
         copy_sidecars(layer_id, srcs[0], outs, num_tokens, src_block_ids, dst_block_ids)
     return outs
@@ -333,5 +348,6 @@ def read_planes(
 ) -> dict[str, torch.Tensor]:
     """One layer's planes of a sequence as float32 `{name: [num_tokens, heads, width]}`."""
     views = [group_views(cache.desc, cache.tensors, layer_id)]
-    slot_map = SlotMap.build(cache.desc.layout, num_tokens, block_ids)
+    per = cache.desc.model.layers[layer_id].rows_per_token
+    slot_map = SlotMap.build(cache.desc.layout, num_tokens, block_ids, per=per)
     return _read_planes(layer_id, [cache], views, slot_map)

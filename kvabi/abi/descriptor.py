@@ -39,6 +39,8 @@ ATTN, MLA, SHARED, NONE = "attn", "mla", "shared", "none"
 SWA = "swa"  # the JSON kind of an attention layer with a window (ABI 1.2); inside, ATTN + window
 DSA = "dsa"  # the JSON kind of an MLA layer with an indexer (ABI 1.3); inside, MLA + indexer_dim
 INDEXER = "indexer"  # the sidecar plane of a DeepSeek V3.2 layer: its lightning indexer's keys
+CENTRIES = "centries"  # ABI 1.4: a compressed layer's entries, one per `ratio` tokens (DeepSeek V4)
+ENTRY, INDEX, STATE = "entry", "index", "state"  # a centries layer's planes and its state sidecar
 ROPE_PAIRINGS = ("half", "pairs")  # half: (i, i+d/2) as HF rotate_half / NEOX; pairs: (2i, 2i+1)
 
 
@@ -61,6 +63,15 @@ class LayerSpec:
     which must equal its target's. `none`: a layer without KV (e.g. a state-space layer).
     `indexer_dim` (ABI 1.3): an MLA layer's lightning-indexer key width (DeepSeek V3.2's
     index_head_dim); the keys are a sidecar plane, stored in a buffer of their own.
+
+    `centries` (ABI 1.4, DeepSeek V4): the entries a compressor pools from every `ratio` tokens
+    of the sequence, which the queries of attention layer `compresses` attend to beside its
+    window (-1: unbound, the geometry alone, as a group's or an engine pool's spec). One row
+    per entry: the `entry` plane (`latent_dim` wide) and, on a layer with a lightning indexer,
+    the `index` plane (`indexer_dim` wide); a block of N tokens holds N / ratio rows. With
+    `overlap` (CSA: each entry pools two adjacent windows) each block also keeps the
+    compressor state at its end, the `state` sidecar: its last window's first-half rows and
+    gates, float32 (`state_bytes`), what the next entry needs.
     """
 
     kind: str = ATTN
@@ -72,12 +83,17 @@ class LayerSpec:
     shares: int = -1
     window: int = 0
     indexer_dim: int = 0
+    compresses: int = -1
+    ratio: int = 0
+    overlap: bool = False
 
     def __post_init__(self) -> None:
-        if self.indexer_dim < 0 or (self.indexer_dim and self.kind != MLA):
+        if self.indexer_dim < 0 or (self.indexer_dim and self.kind not in (MLA, CENTRIES)):
             raise field_error(
-                "indexer_dim", f"{self.indexer_dim}: an indexer is >= 0, on MLA layers only"
+                "indexer_dim", f"{self.indexer_dim}: an indexer is >= 0, on MLA or centries only"
             )
+        if self.kind != CENTRIES and (self.compresses != -1 or self.ratio or self.overlap):
+            raise field_error("ratio", "compresses, ratio and overlap are a centries layer's")
         if self.window < 0 or (self.window and self.kind not in (ATTN, SHARED)):
             raise field_error(
                 "window", f"{self.window}: a window is >= 0, on attention or shared layers only"
@@ -95,6 +111,13 @@ class LayerSpec:
                     f"MLA needs latent_dim >= 1 and rope_dim >= 0, got "
                     f"{self.latent_dim}/{self.rope_dim}",
                 )
+        elif self.kind == CENTRIES:
+            if self.latent_dim < 1 or self.ratio < 1 or self.compresses < -1:
+                raise field_error(
+                    "ratio",
+                    f"centries needs latent_dim, ratio >= 1 and compresses >= -1, got "
+                    f"{self.latent_dim}/{self.ratio}/{self.compresses}",
+                )
         elif self.kind == SHARED:
             if self.shares < 0:
                 raise field_error(
@@ -102,13 +125,28 @@ class LayerSpec:
                 )
         elif self.kind != NONE:
             raise field_error(
-                "kind", f"unknown layer kind {self.kind!r}; expected attn, mla, shared or none"
+                "kind",
+                f"unknown layer kind {self.kind!r}; expected attn, mla, centries, shared or none",
             )
 
     @property
     def has_kv(self) -> bool:
-        """Whether the layer owns KV (attention or MLA): shared and `none` layers do not."""
-        return self.kind in (ATTN, MLA)
+        """Whether the layer owns KV (attention, MLA, compressed entries): shared and `none`
+        layers do not."""
+        return self.kind in (ATTN, MLA, CENTRIES)
+
+    @property
+    def rows_per_token(self) -> tuple[int, int]:
+        """(rows, tokens): a centries layer keeps 1 row per `ratio` tokens, others 1 per 1."""
+        return (1, self.ratio) if self.kind == CENTRIES else (1, 1)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of a centries layer's `state` record per block (0 without overlap): per row
+        of its last window, each plane's first-half row and gate in float32."""
+        if self.kind != CENTRIES or not self.overlap:
+            return 0
+        return self.ratio * 2 * (self.latent_dim + self.indexer_dim) * 4
 
     @property
     def planes(self) -> tuple[Plane, ...]:
@@ -120,16 +158,24 @@ class LayerSpec:
         if self.kind == MLA:
             planes = [Plane("latent", 1, self.latent_dim)]
             return tuple(planes + ([Plane("rope", 1, self.rope_dim)] if self.rope_dim else []))
+        if self.kind == CENTRIES:
+            planes = [Plane(ENTRY, 1, self.latent_dim)]
+            return tuple(planes + ([Plane(INDEX, 1, self.indexer_dim)] if self.indexer_dim else []))
         return ()
 
     @property
     def sidecar_planes(self) -> tuple[Plane, ...]:
-        """Planes kept beside the layer's KV in a buffer of their own, never in its groups."""
+        """Planes kept beside the layer's KV in a buffer of their own, never in its groups: an
+        MLA layer's indexer keys, a centries layer's per-block state."""
+        if self.kind == CENTRIES:
+            return (Plane(STATE, 1, self.state_bytes),) if self.overlap else ()
         return (Plane(INDEXER, 1, self.indexer_dim),) if self.indexer_dim else ()
 
     @property
     def num_heads(self) -> int:
-        return self.num_kv_heads if self.kind == ATTN else (1 if self.kind == MLA else 0)
+        if self.kind == ATTN:
+            return self.num_kv_heads
+        return 1 if self.kind in (MLA, CENTRIES) else 0
 
 
 class _CachedHash:
@@ -171,6 +217,8 @@ class ModelSpec(_CachedHash):
         for i, layer in enumerate(self.layers):
             if layer.kind == SHARED:
                 _check_shares(self.layers, i, layer)
+            if layer.kind == CENTRIES:
+                _check_compresses(self.layers, i, layer)
         if self.rope_pairing not in ROPE_PAIRINGS:
             raise field_error(
                 "rope_pairing", f"{self.rope_pairing!r}; expected one of {ROPE_PAIRINGS}"
@@ -187,7 +235,10 @@ class ModelSpec(_CachedHash):
 
     @property
     def min_version(self) -> tuple[int, int]:
-        """1.3 when a layer has an indexer; 1.2 when a layer has a window or no KV; else 1.0."""
+        """1.4 with compressed entries; 1.3 when a layer has an indexer; 1.2 when a layer has a
+        window or no KV; else 1.0."""
+        if any(x.kind == CENTRIES for x in self.layers):
+            return (1, 4)
         if any(x.indexer_dim for x in self.layers):
             return (1, 3)
         is_hybrid = any(x.window or x.kind == NONE for x in self.layers)
@@ -333,6 +384,23 @@ def _check_shares(layers: tuple[LayerSpec, ...], i: int, layer: LayerSpec) -> No
         )
 
 
+def _check_compresses(layers: tuple[LayerSpec, ...], i: int, layer: LayerSpec) -> None:
+    """A centries layer extends an earlier attention layer, which no other one extends (an
+    unbound one, -1, is a pool's geometry: nothing to check)."""
+    if layer.compresses == -1:
+        return
+    target = layers[layer.compresses] if layer.compresses < i else None
+    if target is None or target.kind != ATTN:
+        raise field_error(
+            "compresses",
+            f"layer {i} compresses layer {layer.compresses}, which is not an earlier attention "
+            "layer",
+        )
+    others = [j for j, x in enumerate(layers[:i]) if x.kind == CENTRIES]
+    if any(layers[j].compresses == layer.compresses for j in others):
+        raise field_error("compresses", f"layer {layer.compresses} is compressed twice")
+
+
 def _check_pair(model: ModelSpec, lay: Layout) -> None:
     owners = [(i, x) for i, x in enumerate(model.layers) if x.has_kv]
     for i, layer in owners:
@@ -364,6 +432,7 @@ def _check_pair(model: ModelSpec, lay: Layout) -> None:
                 "that is not a multiple of 32",
             )
     _check_tiles(model, lay)
+    _check_centries(model, lay)
     if lay.is_cross_layer and any(x.indexer_dim for x in model.layers):
         raise field_error("axes", "an indexer plane needs a per-layer layout (no L axis)")
     if lay.quant == "fp8_ds_mla" and lay.planes != "concat":
@@ -377,6 +446,23 @@ def _check_pair(model: ModelSpec, lay: Layout) -> None:
             "scales",
             f"{len(lay.scales)} values; per_tensor needs 2 per layer ({2 * model.num_layers})",
         )
+
+
+def _check_centries(model: ModelSpec, lay: Layout) -> None:
+    """Compressed entries sit in paged blocks of whole windows, unquantised, per layer."""
+    for i, layer in enumerate(model.layers):
+        if layer.kind != CENTRIES:
+            continue
+        if not lay.is_paged or lay.block_size % layer.ratio:
+            raise field_error(
+                "block_size",
+                f"layer {i} pools {layer.ratio} tokens per entry: a paged layout whose block "
+                f"size is a multiple of it, got {lay.block_size if lay.is_paged else 'unpaged'}",
+            )
+        if lay.quant != "none" or lay.is_cross_layer or lay.is_tiled or lay.tp_size != 1:
+            raise field_error(
+                "quant", "compressed entries need an unquantised, untiled, per-layer layout"
+            )
 
 
 def _check_tiles(model: ModelSpec, lay: Layout) -> None:
@@ -422,6 +508,16 @@ def _layer_json(layer: LayerSpec) -> dict:
         return {"kind": MLA, **mla}
     if layer.kind == NONE:
         return {"kind": NONE}
+    if layer.kind == CENTRIES:
+        index = {"indexer_dim": layer.indexer_dim} if layer.indexer_dim else {}
+        return {
+            "kind": CENTRIES,
+            "compresses": layer.compresses,
+            "latent_dim": layer.latent_dim,
+            "overlap": layer.overlap,
+            "ratio": layer.ratio,
+            **index,
+        }
     return {"kind": SHARED, "shares": layer.shares, **window}
 
 
@@ -437,7 +533,7 @@ def _layer_from_json(data: dict) -> LayerSpec:
         if fields_.get("indexer_dim", 0) < 1:
             raise field_error("indexer_dim", "a dsa layer needs indexer_dim >= 1")
         fields_["kind"] = MLA
-    elif "indexer_dim" in fields_:
+    elif "indexer_dim" in fields_ and fields_.get("kind") != CENTRIES:
         raise field_error(
             "indexer_dim", "only a dsa layer has an indexer (an MLA layer with one is dsa)"
         )

@@ -74,8 +74,11 @@ LAYER_FIELD_TYPES = {
             "shares",
             "window",
             "indexer_dim",
+            "compresses",
+            "ratio",
         )
     },
+    "overlap": json_bool,
 }
 
 

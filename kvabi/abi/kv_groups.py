@@ -1,17 +1,18 @@
 """KV cache groups (ABI 1.2): the layers that hold the same kind of KV, derived from the specs.
 
 Layers with equal specs (kind, window, heads and dims, hence equal bytes per block) form one
-group; groups are numbered by their first layer. A hybrid model's engine keeps one block table
-per group per sequence: a full-attention group holds every block of a sequence, a sliding group
-only those its window still needs. Shared layers hold nothing and read their target's group;
-`none` layers belong to no group.
+group (compressed entries of one geometry too, whichever layer each compresses); groups are
+numbered by their first layer. A hybrid model's engine keeps one block table per group per
+sequence: a full-attention group holds every block of a sequence, a sliding group only those
+its window still needs. Shared layers hold nothing and read their target's group; `none`
+layers belong to no group.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from kvabi.abi.descriptor import SHARED, LayerSpec, ModelSpec
+from kvabi.abi.descriptor import CENTRIES, SHARED, LayerSpec, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -29,12 +30,18 @@ class KVGroup:
         return self.spec.window
 
 
+def group_spec(layer: LayerSpec) -> LayerSpec:
+    """What a layer's group is keyed by: its spec (a centries layer's unbound from the layer it
+    compresses, so that the compressed layers of one geometry form one group)."""
+    return replace(layer, compresses=-1) if layer.kind == CENTRIES else layer
+
+
 def kv_groups(model: ModelSpec) -> tuple[KVGroup, ...]:
     """The model's KV cache groups, in order of their first layer (docs/ABI.md 2.5)."""
     owners: dict[LayerSpec, list[int]] = {}
     for i, layer in enumerate(model.layers):
         if layer.has_kv:
-            owners.setdefault(layer, []).append(i)
+            owners.setdefault(group_spec(layer), []).append(i)
     groups = []
     for group_id, (spec, layer_ids) in enumerate(owners.items()):
         readers = tuple(

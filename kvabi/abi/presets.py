@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from kvabi.abi.descriptor import ATTN, MLA, Descriptor, Layout, ModelSpec
+from kvabi.abi.descriptor import ATTN, CENTRIES, MLA, Descriptor, Layout, ModelSpec
 from kvabi.abi.errors import DescriptorError
 
 VLLM = "vLLM v0.9-0.20, vllm/v1/attention/backends/"
@@ -23,13 +23,17 @@ SGLANG = "SGLang 0.5.23, python/sglang/srt/mem_cache/memory_pool.py"
 TRTLLM = "TensorRT-LLM, cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp + kernels/kvCacheUtils.h"
 LLAMACPP = "llama.cpp 0c1e57098 (llama-cpp-python 0.3.36), src/llama-kv-cache.cpp state_write_data"
 HF = "transformers 5.24.0, src/transformers/cache_utils.py DynamicLayer"
+KVABI_V4 = (
+    "kvabi ABI 1.4 (docs/ABI.md 2.6): no engine here ships DeepSeek V4's cache unquantised "
+    "(SGLang keeps fp8 records); transformers 5.24 DeepseekV4CSACache/HCACache hold the same values"
+)
 
 
 @dataclass(frozen=True)
 class Preset:
     name: str
     layout: Layout
-    kind: str  # the layer kind it applies to: attn or mla
+    kind: str  # the layer kind it applies to: attn, mla, or centries (with its attention layers)
     source: str
     shape: str  # the engine's own description of the tensor(s)
 
@@ -130,6 +134,16 @@ _ROWS = [
         "BHKNCn16c2",
         bs=128,
         v_axes="BHKCNc16n2",
+    ),
+    # DeepSeek V4: the window's K and V side by side, then each compressed layer's entries
+    _p(
+        "kvabi-compressed",
+        CENTRIES,
+        KVABI_V4,
+        "(B,N,1,2D) window K|V; (B,N/m,1,D[+I]) entries|index; (B,S) u8 state per block",
+        "BNHC",
+        bs=128,
+        planes="concat",
     ),
     # vLLM MLA
     _p(
@@ -257,6 +271,8 @@ def preset_descriptor(preset_name: str, model: ModelSpec, **overrides: object) -
             f"unknown preset {preset_name!r}; `kvabi layouts` lists {len(PRESETS)}"
         )
     kinds = {x.kind for x in model.layers} - {"shared"}
+    if preset.kind == CENTRIES and CENTRIES in kinds and kinds <= {ATTN, CENTRIES}:
+        return Descriptor(model, replace(preset.layout, **overrides))
     if kinds != {preset.kind}:
         raise DescriptorError(
             f"preset {preset_name!r} is for {preset.kind} layers; the model has {sorted(kinds)}"

@@ -1,5 +1,7 @@
-"""Conversion of sidecar planes (the V3.2 indexer): stored alike in every layout, so a cache's
-sidecar moves byte for byte; only the blocking (block size, paged or not) may differ."""
+"""Conversion of sidecar planes (the V3.2 indexer's keys, a V4 centries layer's state): stored
+alike in every layout, so a cache's sidecar moves byte for byte; only the blocking (block size,
+paged or not) may differ for the indexer's per-token records; state records, one per block,
+move block for block between caches of one block size."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from kvabi.abi.buffers import CacheBuffers
-from kvabi.abi.descriptor import Layout
+from kvabi.abi.descriptor import STATE, Layout
 from kvabi.abi.errors import IncompatibleError
 from kvabi.abi.indexer_record import token_views
 
@@ -26,6 +28,12 @@ def copy_sidecars(
     layer = src.desc.model.layers[layer_id]
     for plane in layer.sidecar_planes:
         key = f"{layer_id}.{plane.name}"
+        if plane.name == STATE:  # one record per block, at its end (equal block sizes)
+            s_blocks = _blocks(src.desc.layout, num_tokens, src_block_ids, src.extent)
+            for out in outs:
+                d_blocks = _blocks(out.desc.layout, num_tokens, dst_block_ids, out.extent)
+                out.tensors[key][d_blocks] = src.tensors[key][s_blocks]
+            continue
         s_codes, s_scales = token_views(src.tensors[key], plane.width)
         if num_tokens is None:
             s_pos = (slice(None),)
@@ -40,6 +48,19 @@ def copy_sidecars(
             d_pos = _positions(out.desc.layout, num_tokens, dst_block_ids)
             d_codes[d_pos] = s_codes[s_pos]
             d_scales[d_pos] = s_scales[s_pos]
+
+
+def _blocks(
+    layout: Layout, num_tokens: int | None, block_ids: Sequence[int] | None, extent: int
+) -> torch.Tensor | slice:
+    """The blocks holding a sequence's `num_tokens` tokens (None: every block)."""
+    if num_tokens is None:
+        return slice(None)
+    needed = -(-num_tokens // layout.block_size)
+    table = torch.arange(needed) if block_ids is None else torch.tensor(list(block_ids))
+    if len(table) < needed or (needed and int(table[:needed].max()) >= extent):
+        raise IncompatibleError(f"block table names too few blocks for {num_tokens} tokens")
+    return table[:needed]
 
 
 def _positions(

@@ -3,7 +3,8 @@
 Example: ``kvabi/1.0 layers=30*attn:3x64 fp=smollm2 rope=post:half axes=LKBNHC bs=16 dtype=bf16``.
 Fields are space-separated ``key=value``; defaults (quant=none, tp=0/1, ...) are omitted.
 Layers are run-length encoded: ``attn:HxK`` or ``attn:HxK/V``, ``swaW:HxK`` (window W, 1.2),
-``mla:LATENT+ROPE``, ``dsa:LATENT+ROPE+INDEXER`` (1.3), ``shared@J`` or ``shared@J:swaW``, ``none``.
+``mla:LATENT+ROPE``, ``dsa:LATENT+ROPE+INDEXER`` (1.3), ``shared@J`` or ``shared@J:swaW``, ``none``,
+``centries@J:RxD``, ``centries@J:RxD+I``, either ending ``o`` with overlap (1.4).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from urllib.parse import quote, unquote
 
 from kvabi.abi.descriptor import (
     ATTN,
+    CENTRIES,
     DSA,
     MLA,
     NONE,
@@ -38,6 +40,10 @@ def layer_to_text(layer: LayerSpec) -> str:
         return f"mla:{layer.latent_dim}+{layer.rope_dim}"
     if layer.kind == NONE:
         return NONE
+    if layer.kind == CENTRIES:
+        index = f"+{layer.indexer_dim}" if layer.indexer_dim else ""
+        overlap = "o" if layer.overlap else ""
+        return f"{CENTRIES}@{layer.compresses}:{layer.ratio}x{layer.latent_dim}{index}{overlap}"
     return f"shared@{layer.shares}" + (f":{kind}" if layer.window else "")
 
 
@@ -61,6 +67,8 @@ def layer_from_text(text: str) -> LayerSpec:
             )
         if text == NONE:
             return LayerSpec(NONE)
+        if kind.startswith(f"{CENTRIES}@"):
+            return _centries_from_text(int(kind[len(CENTRIES) + 1 :]), rest)
         if kind.startswith("shared@"):
             window = int(rest[len(SWA) :]) if rest.startswith(SWA) else 0
             if rest and not window:
@@ -69,6 +77,17 @@ def layer_from_text(text: str) -> LayerSpec:
     except ValueError:
         pass
     raise DescriptorError(f"layers: cannot read layer {text!r}")
+
+
+def _centries_from_text(compresses: int, rest: str) -> LayerSpec:
+    """`RxD`, `RxD+I`, either with an `o` suffix (overlap)."""
+    overlap = rest.endswith("o")
+    ratio, _, dims = rest.removesuffix("o").partition("x")
+    latent, _, index = dims.partition("+")
+    return LayerSpec(
+        CENTRIES, latent_dim=int(latent), indexer_dim=int(index or 0), compresses=compresses,
+        ratio=int(ratio), overlap=overlap,
+    )  # fmt: skip
 
 
 def to_text(desc: Descriptor) -> str:
