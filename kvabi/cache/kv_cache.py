@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from kvabi.abi.buffers import CacheBuffers, layer_buffer_specs
-from kvabi.abi.descriptor import Descriptor
+from kvabi.abi.descriptor import CENTRIES, Descriptor
 from kvabi.cache.block_api import (  # noqa: F401 - the block API's types, re-exported
     NO_MATCH,
     NULL_BLOCK,
@@ -283,6 +283,11 @@ class KVCache:
         """Finish queued write-downs and release the tiers (their connections and thread)."""
         for tiers in reversed(self.pool_tiers) if self.tiers is not None else ():
             tiers.close()  # the first pool's, which owns the tiers, last
+
+    @property
+    def has_compressed(self) -> bool:
+        """Whether it holds compressed entries (DeepSeek V4: centries layers)."""
+        return any(x.kind == CENTRIES for x in self.desc.model.layers)
 
     def _check_local(self, what: str) -> None:
         """Refuse a path that reads the tensors directly where they hold part of each block."""

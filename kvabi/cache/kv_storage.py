@@ -7,7 +7,9 @@ layers (DeepSeek) keep their latent (c_kv) as `k` and their RoPE part (k_pe) as 
 side in one buffer (`vllm-mla`: 576 values per token), whose joint view the attention reads.
 DeepSeek V3.2's layers also keep their indexer keys (the sidecar plane `indexer`) in fp8 with a
 scale per token, as vLLM stores them (`kvabi/abi/indexer_record.py`); whole-block reads and
-writes (prefix cache, tiers, containers) carry them with the latents.
+writes (prefix cache, tiers, containers) carry them with the latents. DeepSeek V4's compressed
+layers (a pool of `centries` layers) keep rows of entries, a block of N tokens holding N / ratio
+of them, and per block the compressor's state at its end (`rows`, `states`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from kvabi.abi.buffers import CacheBuffers, group_views
 from kvabi.abi.convert import convert
-from kvabi.abi.descriptor import ATTN, MLA, Descriptor
+from kvabi.abi.descriptor import ATTN, CENTRIES, MLA, STATE, Descriptor
 from kvabi.abi.ds_mla_record import ds_mla_records_to_latent_rope, encode_records
 from kvabi.abi.indexer_record import SCALE_BYTES, encode_tokens, token_views
 
@@ -28,10 +30,10 @@ DS_MLA = "fp8_ds_mla"
 class KVStorage:
     def __init__(self, desc: Descriptor, num_blocks: int) -> None:
         kinds = {x.kind for x in desc.model.layers}
-        if len(kinds) != 1 or not kinds <= {ATTN, MLA}:
+        if len(kinds) != 1 or not kinds <= {ATTN, MLA, CENTRIES}:
             raise ValueError(
-                f"kv layout: the engine caches attention (K/V) or MLA layers, one kind per "
-                f"storage; got {sorted(kinds)}"
+                f"kv layout: the engine caches attention (K/V), MLA or compressed-entry layers, "
+                f"one kind per storage; got {sorted(kinds)}"
             )
         quant_ok = desc.layout.quant == "none" or (kinds == {MLA} and desc.layout.quant == DS_MLA)
         if not quant_ok or not desc.layout.is_paged:
@@ -50,13 +52,20 @@ class KVStorage:
         # DeepSeek V3.2: per layer, its indexer keys' token views (codes [num_blocks,
         # block_size, D] u8, scale bytes [num_blocks, block_size, 4]) in vLLM's block layout
         self.indexers: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        # DeepSeek V4 (compressed entries): per layer its rows [num_blocks, rows, 1, width]
+        # (entry | index) and its blocks' state records as float32 [num_blocks, floats] or None
+        self.rows: list[torch.Tensor] = []
+        self.states: list[torch.Tensor | None] = []
         for layer_id in range(desc.model.num_layers):
-            self.indexers.append(self._indexer_views(layer_id))
             groups = group_views(desc, self.buffers.tensors, layer_id)
+            if kinds == {CENTRIES}:
+                self._add_entries(layer_id, groups)
+                continue
+            self.indexers.append(self._indexer_views(layer_id))
             if desc.model.layers[layer_id].kind == MLA:
                 self._add_mla(layer_id, groups)
                 continue
-            views = {planes[0].name: view for planes, view in groups}
+            views = _plane_views(groups)  # a concat layout's K|V split by content offset
             self.k.append(views["k"])
             self.v.append(views["v"])
 
@@ -77,6 +86,34 @@ class KVStorage:
             return
         self.k.append(joint[..., :latent])
         self.v.append(joint[..., latent:])
+
+    def _add_entries(self, layer_id: int, groups: list) -> None:
+        if len(groups) != 1 or not isinstance(groups[0][1], torch.Tensor):
+            raise ValueError(
+                f"kv layout {self.desc.layout.name}: compressed layer {layer_id} needs its "
+                "planes side by side in one strided buffer (planes=concat, kvabi-compressed)"
+            )
+        self.rows.append(groups[0][1])
+        state = self.buffers.tensors.get(f"{layer_id}.{STATE}")
+        self.states.append(None if state is None else state.view(torch.float32))
+
+    def write_rows(
+        self, layer_id: int, block_ids: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor
+    ) -> None:
+        """Store a compressed layer's rows [n, width] (entry | index) at (block, row slot)."""
+        view = self.rows[layer_id]
+        view[block_ids, slots] = rows[:, None].to(view.dtype)
+
+    def read_rows(self, layer_id: int, block_table: torch.Tensor, num_rows: int) -> torch.Tensor:
+        """A sequence's first `num_rows` rows of a compressed layer, [num_rows, width]."""
+        return self.rows[layer_id][block_table].flatten(0, 1)[:num_rows, 0]
+
+    def state(self, layer_id: int, block_id: int) -> torch.Tensor:
+        """The float32 state record of a compressed layer's block (a view: write to it)."""
+        states = self.states[layer_id]
+        if states is None:
+            raise ValueError(f"kv layout: compressed layer {layer_id} keeps no state")
+        return states[block_id]
 
     def _indexer_views(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         planes = self.desc.model.layers[layer_id].sidecar_planes
@@ -196,3 +233,15 @@ class KVStorage:
             dst_block_ids=dst_ids,
             out=self.buffers,
         )
+
+
+def _plane_views(groups: list) -> dict[str, torch.Tensor]:
+    """Each plane's `[block, slot, head, width]` view, from its group's (planes side by side in
+    one group, `concat`, are its content's consecutive parts)."""
+    views, start = {}, 0
+    for planes, view in groups:
+        start = 0
+        for plane in planes:
+            views[plane.name] = view[..., start : start + plane.width]
+            start += plane.width
+    return views

@@ -21,7 +21,7 @@ from functools import partial
 
 import torch
 
-from kvabi.abi.descriptor import MLA, Descriptor, ModelSpec
+from kvabi.abi.descriptor import CENTRIES, MLA, Descriptor, ModelSpec
 from kvabi.abi.presets import PRESETS, preset_descriptor
 from kvabi.cache.block_events import BlockEventSink
 from kvabi.cache.block_groups import plan_groups
@@ -56,11 +56,15 @@ from kvabi.models.registry import LoadedModel
 log = logging.getLogger("kvabi.engine")
 KV_LAYOUTS = {"nhd": "vllm-flash-attn", "hnd": "vllm-flash-attn-hnd"}
 MLA_LAYOUTS = {"nhd": "vllm-mla", "hnd": "vllm-mla"}  # an MLA latent has one head: no H axis
+COMPRESSED_LAYOUT = "kvabi-compressed"  # DeepSeek V4: one K=V head and entries, one H either way
 
 
 def kv_layout_preset(kv_layout: str, model: ModelSpec) -> str:
     """The preset of `EngineConfig.kv_layout` for this model: nhd/hnd name attention presets,
-    and for an MLA model (DeepSeek) vLLM's MLA layout, 576 values per token side by side."""
+    for an MLA model (DeepSeek) vLLM's MLA layout, 576 values per token side by side, and for a
+    model with compressed entries (DeepSeek V4) kvabi's (`kvabi-compressed`)."""
+    if any(x.kind == CENTRIES for x in model.layers):
+        return COMPRESSED_LAYOUT if kv_layout in ("nhd", "hnd") else kv_layout
     if any(x.kind == MLA for x in model.layers):
         return MLA_LAYOUTS.get(kv_layout, kv_layout)
     return KV_LAYOUTS.get(kv_layout, kv_layout)
@@ -160,6 +164,11 @@ class LLMEngine:
         )
         if tp is not None and config.tiers.is_enabled and not self.cache.plan.is_uniform:
             raise ValueError("tensor_parallel_size: tiers under TP need one full-attention group")
+        if self.cache.has_compressed and config.speculative is not None:
+            raise ValueError(
+                "speculative: DeepSeek V4's compressors emit entries as tokens arrive and keep "
+                "no history to roll a rejected draft back (transformers refuses it too)"
+            )
         spec = None if config.speculative is None else SpecConfig.parse(config.speculative)
         if spec is not None and spec.exit_layer:
             _check_early_exit(loaded, spec.exit_layer)
@@ -325,6 +334,8 @@ class LLMEngine:
         for out in outputs:
             if out.finished:
                 self._end_request(self.requests.pop(out.request_id))
+        if self.cache.has_compressed:  # the compressors' states of sequences still running
+            self.runner.attention.compressors.retain({q.seq_id for q in self.scheduler.running})
         return outputs
 
     def _layer_hook(self, batch: ScheduledBatch) -> Callable[[int], None] | None:

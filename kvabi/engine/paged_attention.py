@@ -32,8 +32,15 @@ from kvabi.abi.descriptor import MLA, LayerSpec
 from kvabi.cache.kv_cache import KVCache
 from kvabi.cache.kv_storage import KVStorage
 from kvabi.engine.attention_path import decode_gap, mla_decode_gap, prefill_gap
+from kvabi.engine.compressed_paged import (
+    CompressorStates,
+    attend_compressed,
+    entry_layers,
+    store_entries,
+)
 from kvabi.engine.sparse_mla import attend_sparse_mla
 from kvabi.models.attention import causal_mask
+from kvabi.models.compressed_attention import V4Query
 from kvabi.models.cpu_kernels import CpuKernels, cpu_kernels
 from kvabi.models.sparse_attention import IndexerQuery
 
@@ -47,6 +54,7 @@ class SeqSlice:
     context_len: int  # tokens of K/V after this step (positions 0 .. context_len-1)
     block_table: torch.Tensor  # [num_blocks] int64, from block first_key // block_size on
     first_key: int = 0  # position of the first key it holds (a sliding window's start)
+    seq_id: int = -1  # the sequence (its state between steps: DeepSeek V4's compressors)
 
 
 @dataclass(frozen=True)
@@ -75,6 +83,7 @@ class LayerKV:
     is_owner: tuple[bool, ...]
     block_size: int
     is_mla: tuple[bool, ...]
+    entries_of: dict[int, int]  # DeepSeek V4: attention layer -> its compressed entries' layer
 
     @classmethod
     def of(cls, cache: KVCache) -> LayerKV:
@@ -87,6 +96,7 @@ class LayerKV:
             tuple(x.has_kv for x in layers),
             cache.block_size,
             tuple(x.kind == MLA for x in layers),
+            entry_layers(layers),
         )
 
     def mla_keys(self, layer_id: int, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -137,6 +147,7 @@ class PagedAttention:
         self.backend = backend  # the one in use
         self._ctxs: tuple[StepContext, ...] = ()
         self._on_layer: Callable[[int], None] | None = None
+        self.compressors = CompressorStates()  # DeepSeek V4: per running sequence
 
     @contextmanager
     def step(
@@ -150,6 +161,9 @@ class PagedAttention:
             yield
         finally:
             self._ctxs, self._on_layer = (), None
+
+    # a `CompressedAttentionFn` too: DeepSeek V4's calls (a `V4Query`) go to `_attend_v4`
+    keeps_compressed = True
 
     @property
     def keeps_indexer(self) -> bool:
@@ -167,6 +181,8 @@ class PagedAttention:
         index: IndexerQuery | None = None,
     ) -> torch.Tensor:
         assert self._ctxs, "attention called outside `with attention.step(ctxs)`"
+        if isinstance(v, V4Query):  # DeepSeek V4: k is the window's K=V rows
+            return self._attend_v4(layer_id, q, k, v)
         ctx = self._ctxs[self.kv.group_ids[layer_id]]
         if self.kv.is_owner[layer_id]:
             assert k is not None and v is not None
@@ -192,6 +208,22 @@ class PagedAttention:
             rows = ctx.decode_query_rows
             out[rows] = self._attend_decodes(layer_id, q[rows], ctx)
         return out
+
+    def _attend_v4(
+        self, layer_id: int, q: torch.Tensor, rows: torch.Tensor, query: V4Query
+    ) -> torch.Tensor:
+        """DeepSeek V4 (kvabi/engine/compressed_paged.py): store the window's rows and the
+        compressed layer's new entries, then attend per sequence."""
+        ctxs = self._ctxs
+        self.kv.write(layer_id, ctxs[self.kv.group_ids[layer_id]], rows, rows)  # K = V
+        entries_id = self.kv.entries_of.get(layer_id)
+        if entries_id is not None and query.entries is not None:
+            store_entries(self.kv, self.compressors, layer_id, query, ctxs)
+        if self._on_layer is not None:
+            self._on_layer(layer_id)
+            if entries_id is not None:
+                self._on_layer(entries_id)
+        return attend_compressed(self.kv, layer_id, q, query, ctxs)
 
     def _attend_one(
         self,

@@ -134,7 +134,8 @@ class ModelRunner:
             table = torch.tensor(s.seq.block_tables[g.group_id][first:], dtype=torch.long)
             slot_blocks.append(table[p // bs - first])
             end = s.start + s.num_tokens
-            slices.append(SeqSlice(start, s.num_tokens, end, table.clamp(min=0), first * bs))
+            table = table.clamp(min=0)
+            slices.append(SeqSlice(start, s.num_tokens, end, table, first * bs, s.seq.seq_id))
             start += s.num_tokens
         return StepContext(
             torch.cat(slot_blocks),

@@ -53,6 +53,7 @@ class IndexQuery:
 @dataclass(frozen=True)
 class V4Query:
     sinks: torch.Tensor  # [num_heads] float32: a logit per head that takes probability, no value
+    scale: float  # the scores' scale, head_dim^-0.5
     ratio: int = 0  # tokens pooled per entry (0: a sliding layer, no entries)
     entries: Series | None = None
     index: IndexQuery | None = None  # CSA only
@@ -100,8 +101,8 @@ class ContiguousCompressedAttention:
 
     keeps_compressed = True
 
-    def __init__(self, num_layers: int, window: int, scale: float) -> None:
-        self.window, self.scale = window, scale
+    def __init__(self, num_layers: int, window: int) -> None:
+        self.window = window
         self.keys: list[torch.Tensor | None] = [None] * num_layers  # [L, D]
         self.entries: list[dict[str, torch.Tensor]] = [{} for _ in range(num_layers)]
         self.states: list[dict[str, PoolState]] = [{} for _ in range(num_layers)]
@@ -123,7 +124,7 @@ class ContiguousCompressedAttention:
                 seen &= query.index.keep(slice(None), index_entries, positions)
             keys = torch.cat([keys, entries])
             keep = torch.cat([keep, seen], dim=1)
-        return sink_attention(q, keys, keep, query.sinks, self.scale)
+        return sink_attention(q, keys, keep, query.sinks, query.scale)
 
     def _emit(self, layer_id: int, name: str, series: Series) -> torch.Tensor:
         state = self.states[layer_id].setdefault(name, PoolState())

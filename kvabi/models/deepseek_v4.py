@@ -101,14 +101,14 @@ class V4Attention(nn.Module):
     ) -> V4Query:
         c = self.compressor
         if c is None:
-            return V4Query(self.sinks)
+            return V4Query(self.sinks, self.config.softmax_scale)
         entries = Series(*c.rows(x), lambda state, kv, gate: c.emit(state, kv, gate, rope))
         index = None
         if hasattr(c, "indexer"):
             i = c.indexer
             series = Series(*i.rows(x), lambda state, kv, gate: i.emit(state, kv, gate, rope))
             index = IndexQuery(series, *i.queries(x, q_resid, *tables["compress"]), i.select)
-        return V4Query(self.sinks, c.ratio, entries, index)
+        return V4Query(self.sinks, self.config.softmax_scale, c.ratio, entries, index)
 
 
 class V4Router(nn.Module):

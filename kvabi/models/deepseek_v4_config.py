@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvabi.abi.descriptor import ATTN, CENTRIES, LayerSpec
 from kvabi.models.config import config_error, eos_ids
 from kvabi.models.deepseek_v3_config import _rope
 from kvabi.models.errors import CheckpointError
@@ -119,6 +120,27 @@ class DeepseekV4Config:
     @property
     def softmax_scale(self) -> float:
         return self.head_dim**-0.5
+
+    def kv_layers(self) -> tuple[LayerSpec, ...]:
+        """What the cache holds (ABI 1.4): per layer its window's K=V head (stored as K and V:
+        `head_dim` each, window `sliding_window`), then per compressed layer, in layer order,
+        its entries (`centries`: one per m tokens, the indexer's beside them on CSA, which
+        also keeps its overlap state per block)."""
+        d = self.head_dim
+        window = LayerSpec(ATTN, 1, d, d, window=self.sliding_window)
+        entries = tuple(
+            LayerSpec(
+                CENTRIES,
+                latent_dim=d,
+                indexer_dim=self.index_head_dim if kind == CSA else 0,
+                compresses=i,
+                ratio=self.compress_rate(i),
+                overlap=kind == CSA,
+            )  # fmt: skip
+            for i, kind in enumerate(self.layer_types)
+            if kind != SLIDING
+        )
+        return (window,) * self.num_layers + entries
 
 
 def read_deepseek_v4_config(

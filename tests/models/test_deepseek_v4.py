@@ -99,7 +99,7 @@ class Served:
 
     def attention(self) -> ContiguousCompressedAttention:
         c = self.config
-        return ContiguousCompressedAttention(c.num_layers, c.sliding_window, c.softmax_scale)
+        return ContiguousCompressedAttention(c.num_layers, c.sliding_window)
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -157,9 +157,7 @@ def test_bf16_keeps_hfs_float32_weights(served: Served, tmp_path: Path) -> None:
         assert params[name].dtype == torch.float32, name
     assert params["layers.0.mlp.gate.tid2eid"].dtype == torch.long
     ids = random_ids(21)
-    attn = ContiguousCompressedAttention(
-        model.config.num_layers, model.config.sliding_window, model.config.softmax_scale
-    )
+    attn = ContiguousCompressedAttention(model.config.num_layers, model.config.sliding_window)
     with torch.no_grad():
         got = model(ids, torch.arange(21), attn).float()
     bf16 = transformers.DeepseekV4ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
