@@ -67,10 +67,14 @@ def held_run(cache: KVCache, hashes: Sequence[bytes], start: int = 0) -> int:
 def match_groups(cache: KVCache, hashes: Sequence[bytes], num_tokens: int) -> MatchResult:
     """`KVCache.match` for several block groups: the longest held prefix, capped at
     `num_tokens - 1` tokens, with per group its blocks (`NULL_BLOCK` where the window at the
-    hit point no longer reaches)."""
+    hit point no longer reaches). A cache of compressed entries (DeepSeek V4) hits whole
+    blocks only: a compressor goes on from a block's end, its state record, never from inside
+    one (kvabi/engine/compressed_paged.py)."""
     bs = cache.block_size
     for h in range(held_run(cache, hashes), 0, -1):
         num_cached = min(h * bs, num_tokens - 1)
+        if cache.has_compressed:
+            num_cached -= num_cached % bs
         if num_cached <= 0:
             break
         end = -(-num_cached // bs)

@@ -219,10 +219,12 @@ class PagedAttention:
         entries_id = self.kv.entries_of.get(layer_id)
         if entries_id is not None and query.entries is not None:
             store_entries(self.kv, self.compressors, layer_id, query, ctxs)
-        if self._on_layer is not None:
+        if self._on_layer is not None:  # the entries' layers follow every attention layer
             self._on_layer(layer_id)
-            if entries_id is not None:
-                self._on_layer(entries_id)
+            entry_ids = sorted(self.kv.entries_of.values())
+            if entry_ids and layer_id == entry_ids[0] - 1:  # the last attention layer
+                for i in entry_ids:
+                    self._on_layer(i)
         return attend_compressed(self.kv, layer_id, q, query, ctxs)
 
     def _attend_one(

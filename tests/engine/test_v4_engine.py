@@ -20,9 +20,11 @@ import pytest
 import torch
 
 from kvabi.abi.descriptor import CENTRIES
+from kvabi.cache.block_api import KVPayload
 from kvabi.cache.tier_config import TierConfig
 from kvabi.engine.engine import EngineConfig, LLMEngine
 from kvabi.models import load_model
+from kvabi.wire import container_bytes, read_container
 from tests.engine.test_mla_engine import _greedy_all
 from tests.models.hf_reference import FP32_LOGIT_TOL, hf_greedy
 from tests.models.test_deepseek_v4 import ENTRY_TOL, make_hf
@@ -176,6 +178,34 @@ def test_host_tier_round_trip_carries_entries_and_state(served: Served) -> None:
         engine.cache_stats()["tier_host_hit_tokens"]
         >= len(prompt) // served.block * served.block - served.block
     )
+
+
+def test_a_prompt_held_whole_hits_whole_blocks_only(served: Served) -> None:
+    """A prompt of whole blocks, all cached: the hit stops at the last block boundary before
+    it (not one token short of the prompt, as for other models): the compressors go on from a
+    block's end alone."""
+    engine = served.engine()
+    prompt = prompts_of(served)[2][: 3 * served.block]
+    want = _greedy_all(engine, [prompt], NUM_NEW)
+    before = engine.cache_stats()["prefix_hit_tokens"]
+    assert _greedy_all(engine, [prompt], NUM_NEW) == want
+    assert engine.cache_stats()["prefix_hit_tokens"] - before == 2 * served.block
+
+
+def test_container_carries_a_prompt_to_another_engine(served: Served) -> None:
+    """Export, a container's bytes, read back and imported by a fresh engine: its greedy
+    tokens are the colocated ones, over the imported blocks."""
+    source, prompt = served.engine(), prompts_of(served)[0]
+    _greedy_all(source, [prompt], 1)
+    payload = source.cache.export(prompt, None)
+    data = container_bytes(payload.cache, payload.token_ids, payload.block_hashes)
+    read = read_container(data, expect=source.info.descriptor.model)
+    target = served.engine()
+    imported = KVPayload(0, read.token_ids, read.block_hashes, read.cache)
+    placed = target.cache.import_blocks(prompt, None, imported)
+    assert placed.num_cached_tokens == len(prompt) // served.block * served.block
+    assert _greedy_all(target, [prompt], NUM_NEW) == served.want[:1]
+    assert target.cache_stats()["prefix_hit_tokens"] == placed.num_cached_tokens
 
 
 def test_refusals(served: Served) -> None:
