@@ -11,6 +11,9 @@
    restart (warm start), against re-prefilling it (the same tokens under a fresh cache salt).
 5. Capacity: the RAG trace replayed through the engine's own scheduler and pool (no model) for
    pool sizes up to where the ceiling is reached: a PNG of hit rate against capacity.
+6. Compressed KV: the RAG trace replayed with DeepSeek-V4-Flash's cache groups (windows,
+   CSA and HCA entries) and blocks of 128: hits are whole blocks, so the rate beside the
+   whole-block ceiling and the token-granular one.
 
 `--model` picks a bundled model (default SmolLM2-135M), weights in dtype `auto`. A hybrid model
 (Gemma 3 270M: 15 sliding + 3 full layers) has several block groups over one pool, each taking
@@ -25,6 +28,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from kvabi.abi.catalog import catalog_model
 from kvabi.bench.prefix_report import plot, print_figures
 from kvabi.bench.prefix_workload import (
     ChatTurn,
@@ -36,6 +40,7 @@ from kvabi.bench.prefix_workload import (
     num_block_groups,
     rag_trace,
     replay_hit_rate,
+    smallest_pool,
 )
 from kvabi.bench.report import write_json
 from kvabi.bench.throughput import WORDS
@@ -46,6 +51,7 @@ from kvabi.engine.sampling_params import SamplingParams
 from kvabi.models.registry import DEFAULT_MODEL, LoadedModel
 
 BLOCK_SIZE = 16
+V4_BLOCK = 128  # DeepSeek V4: a multiple of its ratios 4 and 128
 DEFAULT_PLOT = "out/bench/prefix_hit_rate.png"
 
 
@@ -86,7 +92,7 @@ def run(
     figures = {"model": model, "dtype": str(loaded.model.dtype).removeprefix("torch.")}
     figures |= {"block_groups": bench.num_groups}
     figures |= bench.ttft() | bench.rag() | bench.chat() | bench.resume()
-    figures |= bench.capacity(plot_path)
+    figures |= bench.capacity(plot_path) | bench.compressed()
     print_figures(figures)
     write_json(json_path, figures)
     return figures
@@ -219,6 +225,23 @@ class _Bench:
             measured = (self.sizes.rag_pool_blocks * self.num_groups, self.rag_hit_rate)
             plot(capacities, rates, ceiling / queried, measured, plot_path, BLOCK_SIZE)
         return {"capacity_blocks": capacities, "capacity_hit_rates": rates, "plot": plot_path}
+
+    def compressed(self) -> dict:
+        """DeepSeek-V4-Flash's cache geometry (catalog: windows of 128, CSA m = 4, HCA m' =
+        128) replayed on the RAG trace with blocks of 128: a compressor goes on from a block's
+        end only, so hits are whole blocks of lcm(block, m, m') = 128 tokens."""
+        layers, bs = catalog_model("deepseek-v4-flash").layers, V4_BLOCK
+        trace, pool = self.rag_trace, 4 * smallest_pool(self.rag_trace, V4_BLOCK, 2, layers)
+        rate = replay_hit_rate(trace, pool, bs, 2, layers)
+        ceiling, queried = ceiling_hit_tokens(trace, bs, whole_blocks=True)
+        token_ceiling, _ = ceiling_hit_tokens(trace, 1)
+        return {
+            "v4_block_size": bs,
+            "v4_rag_hit_rate": rate,
+            "v4_rag_ceiling_hit_rate": ceiling / queried,
+            "v4_hit_vs_ceiling_ratio": rate * queried / ceiling if ceiling else 0.0,
+            "v4_vs_token_ceiling_ratio": rate * queried / token_ceiling,
+        }
 
 
 def _chat(

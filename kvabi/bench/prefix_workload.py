@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from kvabi.abi.block_hash import hash_blocks, root_hash
-from kvabi.abi.descriptor import ATTN, LayerSpec, ModelSpec
+from kvabi.abi.descriptor import ATTN, CENTRIES, LayerSpec, ModelSpec
 from kvabi.abi.presets import preset_descriptor
 from kvabi.cache.block_groups import plan_groups
 from kvabi.cache.kv_cache import KVCache
@@ -96,25 +96,35 @@ def chat_schedule(
     return sorted(turns, key=lambda x: x.arrival)
 
 
-def ceiling_hit_tokens(prompts: Sequence[Sequence[int]], block_size: int) -> tuple[int, int]:
-    """(hit tokens, query tokens) of an infinite cache on this trace."""
+def ceiling_hit_tokens(
+    prompts: Sequence[Sequence[int]], block_size: int, whole_blocks: bool = False
+) -> tuple[int, int]:
+    """(hit tokens, query tokens) of an infinite cache on this trace; `whole_blocks`: hits end
+    at a block boundary (a cache of compressed entries, DeepSeek V4)."""
     root = root_hash(DIGEST)
     seen: set[bytes] = set()
     hits = queried = 0
     for p in prompts:
         hashes = hash_blocks(p, block_size, root)
         n = next((i for i, h in enumerate(hashes) if h not in seen), len(hashes))
-        hits += min(n * block_size, len(p) - 1)
+        hit = min(n * block_size, len(p) - 1)
+        hits += hit - hit % block_size if whole_blocks else hit
         queried += len(p)
         seen.update(hashes)
     return hits, queried
 
 
 def replay_layers(layers: Sequence[LayerSpec]) -> tuple[LayerSpec, ...]:
-    """A model's layers for the replay: kinds, windows and sharing kept, 1-wide KV."""
-    return tuple(
-        replace(x, num_kv_heads=1, k_dim=1, v_dim=1) if x.kind == ATTN else x for x in layers
-    )
+    """A model's layers for the replay: kinds, windows, sharing and ratios kept, 1-wide KV."""
+    return tuple(_narrow(x) for x in layers)
+
+
+def _narrow(layer: LayerSpec) -> LayerSpec:
+    if layer.kind == ATTN:
+        return replace(layer, num_kv_heads=1, k_dim=1, v_dim=1)
+    if layer.kind == CENTRIES:
+        return replace(layer, latent_dim=1, indexer_dim=min(layer.indexer_dim, 1))
+    return layer
 
 
 def num_block_groups(layers: Sequence[LayerSpec]) -> int:
@@ -145,7 +155,9 @@ def replay_hit_rate(
     if num_blocks < smallest:  # the scheduler would wait for blocks forever
         raise ValueError(f"num_blocks: {num_blocks} cannot hold a request; needs {smallest}")
     model = ModelSpec(replay_layers(layers), DIGEST)
-    desc = preset_descriptor("vllm-flash-attn", model, block_size=block_size, dtype="f32")
+    compressed = any(x.kind == CENTRIES for x in layers)
+    preset = "kvabi-compressed" if compressed else "vllm-flash-attn"
+    desc = preset_descriptor(preset, model, block_size=block_size, dtype="f32")
     config = SchedulerConfig(max_num_batched_tokens=max(len(p) for p in prompts) + max_tokens)
     sched = Scheduler(config, KVCache(desc, num_blocks))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvabi.abi.catalog import MODEL_NAMES, catalog_model, catalog_query_heads
-from kvabi.abi.descriptor import ATTN, MLA, Descriptor, LayerSpec, ModelSpec
+from kvabi.abi.descriptor import ATTN, CENTRIES, MLA, Descriptor, LayerSpec, ModelSpec
 from kvabi.abi.errors import KvabiError
 from kvabi.abi.plan import group_memory, plan
 from kvabi.abi.presets import PRESETS, preset_descriptor
@@ -109,7 +109,9 @@ def _print_tp(model: PlannedModel, desc: Descriptor, args: argparse.Namespace) -
 
 
 def _descriptor(spec: ModelSpec, args: argparse.Namespace) -> Descriptor:
-    layout = args.layout or DEFAULT_PLAN_LAYOUTS[spec.layers[0].kind]
+    kinds = {x.kind for x in spec.layers}
+    default = "kvabi-compressed" if CENTRIES in kinds else DEFAULT_PLAN_LAYOUTS[spec.layers[0].kind]
+    layout = args.layout or default
     options = {} if args.dtype is None else {"dtype": args.dtype}  # None: the preset's own
     if args.block_size is not None:
         options["block_size"] = args.block_size
@@ -166,7 +168,11 @@ def _bytes(n: float) -> int | float:
 
 
 def describe(spec: LayerSpec) -> str:
-    """A layer spec in a few words: `attn 8x128`, `sliding 512 ...`, `mla 512+64`."""
+    """A layer spec in a few words: `attn 8x128`, `sliding 512 ...`, `mla 512+64`,
+    `entries 1/4 of 512 + index 128`."""
+    if spec.kind == CENTRIES:
+        text = f"entries 1/{spec.ratio} of {spec.latent_dim}"
+        return text + (f" + index {spec.indexer_dim}, state" if spec.indexer_dim else "")
     if spec.kind == MLA:
         text = f"mla {spec.latent_dim}+{spec.rope_dim}"
         return text + (f" + indexer {spec.indexer_dim}" if spec.indexer_dim else "")

@@ -15,6 +15,7 @@ from kvabi.models.cpu_kernels import CpuKernels, kernel_status
 
 MLA_PREFILL = "MLA prefill: no native kernel"
 SPARSE_MLA = "DeepSeek V3.2 indexer: top-k sparse attention (engine/sparse_mla.py)"
+COMPRESSED = "DeepSeek V4: window + entries with sinks, per sequence (engine/compressed_paged.py)"
 
 
 def no_kernels() -> str:

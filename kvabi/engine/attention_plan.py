@@ -15,11 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvabi.abi.descriptor import MLA, Descriptor
+from kvabi.abi.descriptor import CENTRIES, MLA, Descriptor
 from kvabi.abi.kv_groups import KVGroup, kv_groups
 from kvabi.cache.block_groups import plan_groups
 from kvabi.cache.kv_cache import KVCache
 from kvabi.engine.attention_path import (
+    COMPRESSED,
     MLA_PREFILL,
     SPARSE_MLA,
     decode_gap,
@@ -97,6 +98,8 @@ def _paths(
     window: int,
 ) -> tuple[KernelPath, KernelPath]:
     spec = kv.spec(layer)
+    if spec.kind == CENTRIES or kv.entries_of:  # DeepSeek V4: every layer, windows too
+        return KernelPath(None, COMPRESSED), KernelPath(None, COMPRESSED)
     if spec.kind == MLA and spec.indexer_dim:
         return KernelPath(None, SPARSE_MLA), KernelPath(None, SPARSE_MLA)
     if spec.kind == MLA:

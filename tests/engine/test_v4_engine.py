@@ -208,6 +208,27 @@ def test_container_carries_a_prompt_to_another_engine(served: Served) -> None:
     assert target.cache_stats()["prefix_hit_tokens"] == placed.num_cached_tokens
 
 
+def test_the_prefix_bench_replay_hits_as_the_engine(served: Served) -> None:
+    """`kvabi bench prefix` replays traces through the scheduler and pool without a model
+    (prefix_workload.replay_hit_rate); on a V4 cache its hit rate is the engine's, whole
+    blocks only, below the token-granular ceiling."""
+    from kvabi.bench.prefix_workload import ceiling_hit_tokens, replay_hit_rate
+
+    system = random_ids(2 * served.block + 3, seed=40).tolist()
+    docs = [random_ids(served.block + 5, seed=50 + i).tolist() for i in range(3)]
+    trace = [system + docs[i % 3] + docs[(i + 1) % 3] for i in range(6)]
+    engine = served.engine(n=200)
+    for prompt in trace:
+        _greedy_all(engine, [prompt], 2)
+    stats = engine.cache_stats()
+    layers = served.loaded.config.kv_layers()
+    replayed = replay_hit_rate(trace, 200, served.block, 2, layers)
+    assert replayed == stats["prefix_hit_tokens"] / stats["prefix_query_tokens"]
+    whole, queried = ceiling_hit_tokens(trace, served.block, whole_blocks=True)
+    tokens, _ = ceiling_hit_tokens(trace, 1)  # a cache that could stop at any token
+    assert replayed == whole / queried < tokens / queried
+
+
 def test_refusals(served: Served) -> None:
     with pytest.raises(Exception, match="multiple of"):
         served.engine(served.block + 1)
