@@ -64,6 +64,17 @@ def print_figures(f: dict) -> None:
     _print_resume(f)
     rows = list(zip(f["capacity_blocks"], f["capacity_hit_rates"], strict=True))
     print_table("RAG hit rate against pool capacity (replayed)", ["blocks", "hit rate"], rows)
+    print_table(
+        f"RAG over DeepSeek-V4-Flash's compressed cache (replayed, blocks of "
+        f"{f['v4_block_size']}: hits are whole blocks)",
+        ["figure", "value"],
+        [
+            ["hit rate", f["v4_rag_hit_rate"]],
+            ["ceiling, whole blocks", f["v4_rag_ceiling_hit_rate"]],
+            ["hit / whole-block ceiling", f["v4_hit_vs_ceiling_ratio"]],
+            ["hit / token-granular ceiling", f["v4_vs_token_ceiling_ratio"]],
+        ],
+    )
     if f["plot"]:
         print(f"\nplot written to {f['plot']}")
 
