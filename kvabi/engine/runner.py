@@ -76,7 +76,7 @@ class ModelRunner:
         paged cache; return the residual stream after them [len(ids), hidden]."""
         positions = [torch.arange(s.start, s.start + s.num_tokens) for s in seqs]
         pos = torch.cat(positions)
-        ctxs = tuple(self._group_context(seqs, positions, pos, g) for g in self.groups)
+        ctxs = tuple(self._group_context(seqs, positions, g) for g in self.groups)
         x = self.model.embed_tokens(torch.tensor(ids, dtype=torch.long))
         with self.attention.step(ctxs, on_layer):
             return self.model.run_layers(x, pos, self.attention, layer_ids)
@@ -115,7 +115,7 @@ class ModelRunner:
             elif s.samples:
                 sample_rows.append(start - 1)
         pos = torch.cat(positions)
-        ctxs = tuple(self._group_context(batch.seqs, positions, pos, g) for g in self.groups)
+        ctxs = tuple(self._group_context(batch.seqs, positions, g) for g in self.groups)
         rows = torch.tensor(sample_rows, dtype=torch.long)  # may be empty: a prefill-only step
         return torch.tensor(ids, dtype=torch.long), pos, ctxs, rows
 
@@ -123,23 +123,25 @@ class ModelRunner:
         self,
         seqs: tuple[ScheduledSeq, ...],
         positions: list[torch.Tensor],
-        pos: torch.Tensor,
         g: BlockGroup,
     ) -> StepContext:
         """One group's step context: its tables from the block the window starts at (the
-        whole table for full attention; released entries read block 0, masked out)."""
-        bs, slot_blocks, slices, start = self.block_size, [], [], 0
+        whole table for full attention; released entries read block 0, masked out). Slots
+        are positions less the tokens a press took out of the cache (`num_pruned`)."""
+        bs, slot_blocks, slot_offsets, slices, start = self.block_size, [], [], [], 0
         for s, p in zip(seqs, positions, strict=True):
-            first = max(s.start - g.window + 1, 0) // bs if g.window else 0
+            slot0, slots = s.start - s.seq.num_pruned, p - s.seq.num_pruned  # a press's cache
+            first = max(slot0 - g.window + 1, 0) // bs if g.window else 0
             table = torch.tensor(s.seq.block_tables[g.group_id][first:], dtype=torch.long)
-            slot_blocks.append(table[p // bs - first])
-            end = s.start + s.num_tokens
+            slot_blocks.append(table[slots // bs - first])
+            slot_offsets.append(slots % bs)
+            end = slot0 + s.num_tokens
             table = table.clamp(min=0)
             slices.append(SeqSlice(start, s.num_tokens, end, table, first * bs, s.seq.seq_id))
             start += s.num_tokens
         return StepContext(
             torch.cat(slot_blocks),
-            pos % bs,
+            torch.cat(slot_offsets),
             tuple(slices),
             *_decode_tables(slices, bs, g.window),
             window=g.window,

@@ -188,9 +188,9 @@ class Scheduler:
         return self.cache.hasher.keys_of(hashes, seq.token_ids(), 0, len(hashes))
 
     def trim(self, seq: Sequence) -> None:
-        """Free the blocks past `seq.num_computed` (a rejected draft's): none of them was
-        cached, so nothing reaches the prefix cache, the tiers or the KV events."""
-        keep = -(-seq.num_computed // self.block_size)
+        """Free the blocks past `seq.num_slots` (a rejected draft's, a press's): none of them
+        was cached, so nothing reaches the prefix cache, the tiers or the KV events."""
+        keep = -(-seq.num_slots // self.block_size)
         for g, table in zip(self.groups, seq.block_tables, strict=True):
             self.pools[g.pool_id].free(held_blocks(table[keep:]))
             del table[keep:]
@@ -279,7 +279,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._free_tables(seq)
-        seq.num_computed, seq.num_cached_blocks = 0, 0
+        seq.num_computed, seq.num_cached_blocks, seq.num_pruned = 0, 0, 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)
@@ -290,12 +290,12 @@ class Scheduler:
         seq.block_tables = []
 
     def _blocks_needed(self, seq: Sequence, n: int, g: BlockGroup) -> int:
-        total = -(-(seq.num_computed + n) // self.block_size)
+        total = -(-(seq.num_slots + n) // self.block_size)
         return total - len(seq.block_tables[g.group_id]) + self._needs_copy(seq, g)
 
     def _needs_copy(self, seq: Sequence, g: BlockGroup) -> bool:
         """Whether the next token's block is one the sequence may not write (shared, cached)."""
-        i, table = seq.num_computed // self.block_size, seq.block_tables[g.group_id]
+        i, table = seq.num_slots // self.block_size, seq.block_tables[g.group_id]
         return i < len(table) and not self.pools[g.pool_id].is_writable(table[i])
 
     def _allocate(self, seq: Sequence, n: int) -> None:
@@ -309,7 +309,7 @@ class Scheduler:
         """Swap the block about to be written for a private copy. The source is released at
         once: even if reused this step, the engine copies before anything writes."""
         i, table, pool = (
-            seq.num_computed // self.block_size,
+            seq.num_slots // self.block_size,
             seq.block_tables[g.group_id],
             self.pools[g.pool_id],
         )

@@ -63,6 +63,14 @@ class Sequence:
     # drafts (assistant_draft.py), which it does only while that is num_computed - 1.
     spec_hidden: torch.Tensor | None = None
     spec_hidden_at: int = -1
+    # Tokens whose K/V left the cache while the sequence goes on (a KV press, press.py): the
+    # cache holds `num_slots` of its `num_computed` tokens; positions stay the tokens'.
+    num_pruned: int = 0
+
+    @property
+    def num_slots(self) -> int:
+        """Cache slots the computed tokens take (`num_computed` less what was pruned)."""
+        return self.num_computed - self.num_pruned
 
     @property
     def block_ids(self) -> list[int]:
