@@ -21,7 +21,7 @@ from functools import partial
 
 import torch
 
-from kvabi.abi.descriptor import CENTRIES, MLA, Descriptor, ModelSpec
+from kvabi.abi.descriptor import ATTN, CENTRIES, MLA, Descriptor, ModelSpec
 from kvabi.abi.presets import PRESETS, preset_descriptor
 from kvabi.cache.block_events import BlockEventSink
 from kvabi.cache.block_groups import plan_groups
@@ -33,6 +33,7 @@ from kvabi.engine.fused_decode import FusedDecode
 from kvabi.engine.kv_budget import max_seq_tokens, pool_blocks
 from kvabi.engine.outputs import RequestOutput, request_delta
 from kvabi.engine.paged_attention import LayerKV, PagedAttention
+from kvabi.engine.press import PressConfig, PressJob, apply_press, press_jobs
 from kvabi.engine.rejection_sampler import rejection_accept
 from kvabi.engine.runner import ModelRunner
 from kvabi.engine.sampler import sample, target_probs, token_logprob
@@ -239,6 +240,8 @@ class LLMEngine:
         """Queue a request; raises ValueError for input that cannot be served."""
         ids = self.prompt_ids(prompt)
         self.check_fits(len(ids), params.max_tokens)
+        if params.press is not None:
+            self.check_press(len(ids), params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
@@ -290,6 +293,22 @@ class LLMEngine:
                 f"of {self.config.block_size}), so at most {self.max_kv_tokens + 1 - num_prompt}"
             )
 
+    def check_press(self, num_prompt: int, params: SamplingParams) -> None:
+        """Refuse a press (press.py) this engine cannot apply to this prompt."""
+        assert params.press is not None
+        p = PressConfig.parse(params.press)
+        p.context_len(num_prompt)
+        layers = self.cache.desc.model.layers
+        if not self.cache.plan.is_uniform or any(x.kind != ATTN for x in layers):
+            raise ValueError("press: a model whose layers all cache full-attention K/V only")
+        if self.tp is not None or self.config.speculative is not None or params.n != 1:
+            raise ValueError("press: not with tensor parallelism, speculation or n > 1")
+        if p.method == "snapkv" and p.window > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"press: snapkv's window ({p.window}) needs max_num_batched_tokens >= it "
+                f"({self.config.max_num_batched_tokens}): its queries are scored in one step"
+            )
+
     def _new_seq(
         self, request_id: str, index: int, ids: tuple[int, ...], params: SamplingParams
     ) -> Sequence:
@@ -297,7 +316,9 @@ class LLMEngine:
         if params.seed is not None:
             gen = torch.Generator().manual_seed(params.seed + index)
         seq_id = next(self._ids)
-        return Sequence(seq_id, request_id, index, ids, params, seq_id, gen)
+        seq = Sequence(seq_id, request_id, index, ids, params, seq_id, gen)
+        seq.press = None if params.press is None else PressConfig.parse(params.press)
+        return seq
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
@@ -328,8 +349,12 @@ class LLMEngine:
             batch = drafted.batch
         if self.assistant is not None and any(s.draft for s in batch.seqs):
             batch = self.assistant.fill(batch)
+        jobs = press_jobs(batch)
+        self.runner.attention.presses = jobs  # each layer picks its kept tokens (press.py)
         logits = self.runner.run(batch, self._layer_hook(batch), drafted)
+        self.runner.attention.presses = {}
         touched = self._postprocess(batch, logits)
+        self._press(batch, jobs)
         outputs = [request_delta(r, self.requests[r]) for r in touched]
         for out in outputs:
             if out.finished:
@@ -337,6 +362,14 @@ class LLMEngine:
         if self.cache.has_compressed:  # the compressors' states of sequences still running
             self.runner.attention.compressors.retain({q.seq_id for q in self.scheduler.running})
         return outputs
+
+    def _press(self, batch: ScheduledBatch, jobs: dict[int, PressJob]) -> None:
+        """Keep each pressed context's chosen tokens; free the blocks past them."""
+        for s in batch.seqs:
+            job = jobs.get(s.seq.seq_id)
+            if job is not None and not s.seq.is_finished:
+                apply_press(job, s.seq, self.cache.storage)
+                self.scheduler.trim(s.seq)
 
     def _layer_hook(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
         hook = self.hooks.on_prompt_layer

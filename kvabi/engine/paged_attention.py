@@ -38,6 +38,7 @@ from kvabi.engine.compressed_paged import (
     entry_layers,
     store_entries,
 )
+from kvabi.engine.press import PressJob
 from kvabi.engine.sparse_mla import attend_sparse_mla
 from kvabi.models.attention import causal_mask
 from kvabi.models.compressed_attention import V4Query
@@ -148,6 +149,7 @@ class PagedAttention:
         self._ctxs: tuple[StepContext, ...] = ()
         self._on_layer: Callable[[int], None] | None = None
         self.compressors = CompressorStates()  # DeepSeek V4: per running sequence
+        self.presses: dict[int, PressJob] = {}  # sequences whose context a press ends this step
 
     @contextmanager
     def step(
@@ -189,6 +191,8 @@ class PagedAttention:
             self.kv.write(layer_id, ctx, k, v)
             if index is not None:  # with the latents, before anyone may read the layer
                 self.kv.write_indexer(layer_id, ctx, index.keys)
+            if self.presses:
+                self._choose_kept(layer_id, q, ctx)
         if self._on_layer is not None:
             self._on_layer(layer_id)
         if index is not None:
@@ -208,6 +212,16 @@ class PagedAttention:
             rows = ctx.decode_query_rows
             out[rows] = self._attend_decodes(layer_id, q[rows], ctx)
         return out
+
+    def _choose_kept(self, layer_id: int, q: torch.Tensor, ctx: StepContext) -> None:
+        """For each sequence a press ends this step: the layer's kept context tokens, from its
+        keys (all stored now) and its queries (press.py)."""
+        for s in ctx.seqs:
+            job = self.presses.get(s.seq_id)
+            if job is not None:
+                keys, _ = self.kv.gather(layer_id, s)  # [context, H_kv, D]
+                rows = q[s.query_start : s.query_start + s.num_queries]
+                job.choose(layer_id, rows, keys.to(q.dtype))
 
     def _attend_v4(
         self, layer_id: int, q: torch.Tensor, rows: torch.Tensor, query: V4Query

@@ -31,6 +31,7 @@ class SamplingParams:
     cache_salt: str | None = None  # tenant: enters the block hash, so tenants never share blocks
     session: str | None = None  # a conversation whose blocks are demoted, not dropped, when idle
     tag: str | None = None  # application label for per-tag cache metrics (e.g. template name)
+    press: str | None = None  # evict context tokens at prefill (press.py), e.g. "snapkv:ratio=0.5"
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -66,6 +67,10 @@ class SamplingParams:
         for ok, name, rule, value in checks:
             if not ok:
                 raise ValueError(f"{name}: {rule}, got {value!r}")
+        if self.press is not None:
+            from kvabi.engine.press import PressConfig
+
+            PressConfig.parse(self.press)  # a bad press string is refused here
 
     @property
     def is_greedy(self) -> bool:

@@ -128,7 +128,9 @@ class Scheduler:
             if seq.status != SeqStatus.RUNNING or budget == 0:
                 continue
             self._release_window(seq)  # before counting what it needs
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = press_chunk(seq, min(seq.num_tokens - seq.num_computed, budget))
+            if n == 0:  # a press's last window does not fit this step's budget
+                continue
             draft = self._draft(seq, budget) if n == 1 else ()
             if not self._reserve(seq, n + len(draft), preempted):
                 continue
@@ -137,8 +139,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             hit = self._match(seq)
-            n = min(seq.num_tokens - hit.num_cached_tokens, budget)
-            if preempted or not self._can_admit(hit, n):
+            n = press_chunk(seq, min(seq.num_tokens - hit.num_cached_tokens, budget))
+            if n == 0 or preempted or not self._can_admit(hit, n):
                 break  # admit nothing while memory is short: it would only be preempted again
             self.waiting.pop(0)
             self._admit(seq, hit)
@@ -163,9 +165,11 @@ class Scheduler:
             self.pools[g.pool_id].share(held_blocks(table))
 
     def cache_computed(self, seq: Sequence) -> None:
-        """Index the sequence's blocks that are now full and computed (after a step)."""
+        """Index the sequence's blocks that are now full and computed (after a step); a
+        pressed sequence's never (they hold the tokens its press chose, not a prefix)."""
         full = min(seq.num_computed // self.block_size, len(seq.block_ids))
-        if not self.cache.is_prefix_caching or full <= seq.num_cached_blocks:
+        caching = self.cache.is_prefix_caching and seq.press is None
+        if not caching or full <= seq.num_cached_blocks:
             return
         hashes, tokens, start = self.block_hashes(seq), seq.token_ids(), seq.num_cached_blocks
         for g, table in zip(self.groups, seq.block_tables, strict=True):
@@ -215,8 +219,8 @@ class Scheduler:
         return draft if draft and self._can_allocate(seq, 1 + len(draft)) else ()
 
     def _match(self, seq: Sequence) -> MatchResult:
-        if not self.cache.is_prefix_caching:
-            return NO_MATCH
+        if not self.cache.is_prefix_caching or seq.press is not None:
+            return NO_MATCH  # a press scores the whole context: it is computed, not hit
         return self.cache.match(self.block_hashes(seq), seq.num_tokens)
 
     def _can_admit(self, hit: MatchResult, n: int) -> bool:
@@ -280,6 +284,7 @@ class Scheduler:
         self.running.remove(seq)
         self._free_tables(seq)
         seq.num_computed, seq.num_cached_blocks, seq.num_pruned = 0, 0, 0
+        seq.is_pressed = False  # recomputed, its context is pressed again
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)
@@ -319,3 +324,18 @@ class Scheduler:
         table[i] = dst
         pool.free([src])
         self.stats.num_cow_copies += 1
+
+
+def press_chunk(seq: Sequence, n: int) -> int:
+    """The tokens a pressed sequence computes this step, of `n`: never past its context's end
+    (the press acts there), and never leaving fewer than a SnapKV window for the last chunk
+    before it (whose queries the press scores with)."""
+    p = seq.press
+    if p is None or seq.is_pressed:
+        return n
+    left = p.context_len(len(seq.prompt_ids)) - seq.num_computed
+    if left <= n:
+        return left
+    if p.method == "snapkv" and left - n < p.window:
+        return left - p.window
+    return n

@@ -8,6 +8,7 @@ from enum import Enum
 import torch
 
 from kvabi.engine.detokenizer import Detokenizer
+from kvabi.engine.press import PressConfig
 from kvabi.engine.sampling_params import SamplingParams
 
 
@@ -66,6 +67,8 @@ class Sequence:
     # Tokens whose K/V left the cache while the sequence goes on (a KV press, press.py): the
     # cache holds `num_slots` of its `num_computed` tokens; positions stay the tokens'.
     num_pruned: int = 0
+    press: PressConfig | None = None  # from `params.press`
+    is_pressed: bool = False  # its context was pressed (again after a preemption)
 
     @property
     def num_slots(self) -> int:
