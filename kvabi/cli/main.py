@@ -125,6 +125,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from kvabi.bench.tp_bench import run as run_tp
 
         run_tp(args.quick, args.json)
+    elif args.what == "compress":
+        from kvabi.bench.compress_bench import run as run_compress
+
+        run_compress(args.quick, args.json)
     return 0
 
 
@@ -161,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
             "mla",
             "spec",
             "tp",
+            "compress",
         ],
     )
 

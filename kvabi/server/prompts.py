@@ -66,6 +66,8 @@ def _prepare(
         params = req.sampling_params(max_tokens, logprobs)
         prompt_ids = engine.prompt_ids(ids)
         engine.check_fits(len(ids), max_tokens)
+        if params.press is not None:
+            engine.check_press(len(ids), params)
     except ValueError as exc:
         raise from_value_error(exc, {"prompt": prompt_field}) from exc
     return PreparedRequest(prompt_ids, params)

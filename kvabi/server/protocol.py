@@ -3,7 +3,8 @@
 Strict: a wrong JSON type is an error, never coerced (`"max_tokens": "5"` is refused). Unknown
 fields are refused too, as OpenAI does, so a misspelt option never silently falls back to a
 default. A few OpenAI fields that kvabi does not implement are accepted at their no-op value only.
-kvabi extensions: `top_k`, `ignore_eos` (as vLLM), `cache_salt`, `session`, `tag`.
+kvabi extensions: `top_k`, `ignore_eos` (as vLLM), `cache_salt`, `session`, `tag`, `kv_press`
+(a KV press at prefill, kvabi/engine/press.py: e.g. `"snapkv:ratio=0.75,question=24"`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class GenerationRequest(BaseModel):
     cache_salt: str | None = None
     session: str | None = None
     tag: str | None = None
+    kv_press: str | None = None
     # OpenAI fields kvabi does not implement: accepted at the value that changes nothing.
     presence_penalty: Literal[0] | None = None
     frequency_penalty: Literal[0] | None = None
@@ -64,6 +66,7 @@ class GenerationRequest(BaseModel):
             cache_salt=self.cache_salt,
             session=self.session,
             tag=self.tag,
+            press=self.kv_press,
         )
 
 

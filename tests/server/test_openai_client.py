@@ -218,3 +218,24 @@ def test_a_client_that_disconnects_has_its_request_aborted_and_blocks_freed(serv
         httpx.post(f"{server.base_url}/completions", json=body, timeout=0.3)
     m = _wait_for_abort(server, m["kvabi_requests_total", (("outcome", "aborted"),)])
     assert m["kvabi_requests_running", ()] == 0
+
+
+def test_a_kv_press_through_the_client_answers_as_generate_with_it(client, llm):
+    """`kv_press` (a kvabi extension, as `extra_body`): the server presses the prompt's
+    context as `LLM.generate` with `SamplingParams.press` does; a press the prompt is too
+    short for is a 400 naming the field."""
+    prompt = list(range(3, 120))
+    press = "snapkv:ratio=0.75,window=16,question=6"
+    want = _greedy(llm, prompt, 8, press=press, ignore_eos=True)
+    got = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=8, temperature=0,
+        extra_body={"ignore_eos": True, "kv_press": press},
+    )  # fmt: skip
+    assert got.choices[0].text == want.outputs[0].text
+    plain = _greedy(llm, prompt, 8, ignore_eos=True)
+    assert want.outputs[0].token_ids != plain.outputs[0].token_ids  # the press changed it
+    with pytest.raises(openai.BadRequestError, match="press"):
+        client.completions.create(
+            model=NAME, prompt=prompt[:20], max_tokens=4,
+            extra_body={"kv_press": "snapkv:ratio=0.5,window=64"},
+        )  # fmt: skip
