@@ -3,8 +3,10 @@
 1. Presses (kvabi/engine/press.py) on SmolLM2-135M-Instruct's real weights, StreamingLLM and
    SnapKV at 2x, 4x and 8x (ratios 0.5, 0.75, 0.875) beside no press, in one run:
    - needle in a haystack: seeded haystacks of 1k-4k tokens (random words), a 5-digit
-     passcode sentence at a random depth, the question after the pressed context; retrieval
-     accuracy = the greedy answer contains the passcode;
+     passcode sentence at a random depth, then the question; retrieval accuracy = the greedy
+     answer contains the passcode. Twice: the question after the pressed context (kvpress's
+     pipeline: the press cannot know it), and inside it (SnapKV's setting: its window holds
+     the question), the chat template's assistant header after the press either way;
    - teacher-forced top-1 agreement on a held text (docs/ARCHITECTURE.md): the first
      `context` tokens pressed, then for each of the next `steps` positions the top-1 token
      after the text up to it (one request per position), compared with no press.
@@ -86,19 +88,24 @@ def press_spec(method: str | None, ratio: float, question: int) -> str | None:
     return None if method is None else f"{method}:ratio={ratio},question={question}"
 
 
-def haystack(rng: random.Random, num_tokens: int, engine: LLMEngine) -> tuple[list[int], int, str]:
-    """A chat prompt of about `num_tokens`: random-word sentences with the needle at a random
-    depth, then the question; returns its ids, the question's length and the passcode."""
+def haystack(
+    rng: random.Random, num_tokens: int, engine: LLMEngine, aware: bool
+) -> tuple[list[int], int, str]:
+    """A chat prompt of `num_tokens` or a few more: random-word sentences with the needle at a
+    random depth, then the question. Returns its ids, how many of its last tokens come after
+    the press (the question and the template's tail; `aware`: the tail only, so the question
+    is in the pressed context, SnapKV's own setting) and the passcode."""
     code = str(rng.randrange(10000, 100000))
-    sentences = []
-    while len(" ".join(sentences).split()) < num_tokens * 0.55:  # ~1.8 tokens a word
-        words = [rng.choice(WORDS) for _ in range(rng.randint(6, 14))]
-        sentences.append(" ".join(words).capitalize() + ".")
+    tokenizer, sentences = engine.tokenizer, []
+    while len(tokenizer.encode(" ".join(sentences))) < num_tokens:
+        for _ in range(20):
+            words = [rng.choice(WORDS) for _ in range(rng.randint(6, 14))]
+            sentences.append(" ".join(words).capitalize() + ".")
     sentences.insert(rng.randint(0, len(sentences)), f"The secret passcode is {code}.")
-    tokenizer = engine.tokenizer
     text = " ".join(sentences) + "\n\n" + QUESTION
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], True)
-    tail = tokenizer.encode("\n\n" + QUESTION + "<|im_end|>\n<|im_start|>assistant\n")
+    after = ("" if aware else "\n\n" + QUESTION) + "<|im_end|>\n<|im_start|>assistant\n"
+    tail = tokenizer.encode(after)
     if ids[-len(tail) :] != tail:
         raise RuntimeError("the question did not tokenize alike inside the chat template")
     return ids, len(tail), code
@@ -115,27 +122,25 @@ def greedy(engine: LLMEngine, ids: list[int], press: str | None, max_tokens: int
 
 
 def niah(engine: LLMEngine, sizes: Sizes) -> dict:
-    rng = random.Random(0)
-    cases = [
-        haystack(rng, rng.randint(sizes.min_tokens, sizes.max_tokens), engine)
-        for _ in range(sizes.haystacks)
-    ]
-    out: dict = {
-        "niah_haystacks": len(cases),
-        "niah_mean_tokens": sum(len(c[0]) for c in cases) / len(cases),
-    }
-    for method, ratio in PRESSES:
-        hits = 0
-        for ids, question, code in cases:
-            answer = engine.tokenizer.decode(
-                greedy(engine, ids, press_spec(method, ratio, question), 12)
-            )
-            hits += code in answer
-        out[f"niah_{name(method, ratio)}_accuracy"] = hits / len(cases)
-    full = out["niah_full_accuracy"]
-    for method, ratio in PRESSES[1:]:
-        key = name(method, ratio)
-        out[f"niah_{key}_vs_full_ratio"] = out[f"niah_{key}_accuracy"] / full if full else 0.0
+    """Retrieval accuracy per press, the question after the press (kvpress's pipeline:
+    `niah_*`) and inside the pressed context (SnapKV's setting: `niah_aware_*`)."""
+    out: dict = {}
+    for prefix, aware in (("niah", False), ("niah_aware", True)):
+        rng = random.Random(0)  # the same haystacks for both
+        lengths = [rng.randint(sizes.min_tokens, sizes.max_tokens) for _ in range(sizes.haystacks)]
+        cases = [haystack(rng, n, engine, aware) for n in lengths]
+        out[f"{prefix}_haystacks"] = len(cases)
+        out[f"{prefix}_mean_tokens"] = sum(len(c[0]) for c in cases) / len(cases)
+        for method, ratio in PRESSES:
+            hits = 0
+            for ids, after, code in cases:
+                tokens = greedy(engine, ids, press_spec(method, ratio, after), 12)
+                hits += code in engine.tokenizer.decode(tokens)
+            out[f"{prefix}_{name(method, ratio)}_accuracy"] = hits / len(cases)
+        full = out[f"{prefix}_full_accuracy"]
+        for method, ratio in PRESSES[1:]:
+            key = f"{prefix}_{name(method, ratio)}"
+            out[f"{key}_vs_full_ratio"] = out[f"{key}_accuracy"] / full if full else 0.0
     return out
 
 

@@ -57,26 +57,21 @@ def plot(f: dict, path: str) -> None:
 
 def print_figures(f: dict) -> None:
     print(f"kvabi bench compress: {f['model']} ({f['dtype']})")
-    rows = [["no press", "1x", f["niah_full_accuracy"], "-", "1.0"]]
+    rows = [["no press", "1x", f["niah_full_accuracy"], f["niah_aware_full_accuracy"], 1.0]]
     for method in METHODS:
         for r in RATIOS:
             key = f"{method}_{r}x"
-            rows.append(
-                [
-                    method,
-                    f"{r}x",
-                    f[f"niah_{key}_accuracy"],
-                    f[f"niah_{key}_vs_full_ratio"],
-                    f[f"agree_{key}_top1_ratio"],
-                ]
-            )
+            after, inside = f[f"niah_{key}_accuracy"], f[f"niah_aware_{key}_accuracy"]
+            rows.append([method, f"{r}x", after, inside, f[f"agree_{key}_top1_ratio"]])
     print_table(
         f"Quality: needle in {f['niah_haystacks']} haystacks (mean {f['niah_mean_tokens']:.0f} "
-        f"tokens); top-1 agreement over {f['agree_steps']} positions after "
-        f"{f['agree_context_tokens']} tokens of a held text",
-        ["press", "compression", "needle accuracy", "vs no press", "top-1 agreement"],
+        f"tokens), the question after the press / inside the pressed context; top-1 "
+        f"agreement over {f['agree_steps']} positions after {f['agree_context_tokens']} "
+        "tokens of a held text",
+        ["press", "compression", "needle, question after", "needle, question inside",
+         "top-1 agreement"],
         rows,
-    )
+    )  # fmt: skip
     print(f"(no press: top-1 equals the held text's next token at {f['agree_full_vs_text']:.2f})")
     kinds = [k.removeprefix("v4_").removesuffix("_layers") for k in f if k.endswith("_layers")]
     print_table(

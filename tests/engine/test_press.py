@@ -166,3 +166,36 @@ def test_refusals() -> None:
             prompt(), SamplingParams(press="snapkv:ratio=0.5,window=64")
         )
     assert PressConfig.parse("streaming:ratio=0.5,question=3").context_len(10) == 7
+
+
+@pytest.mark.kvpress
+@pytest.mark.slow
+def test_smollm2_real_weights_keep_and_answer_as_kvpress(tmp_path: Path) -> None:
+    """SmolLM2-135M's real weights (fp32, exported as an HF folder for kvpress) on a needle
+    haystack, SnapKV at 2x with the question in its window: every layer keeps the same set of
+    tokens per head (their order may differ where scores tie: the window's padded scores) and
+    the answer is kvpress's token for token."""
+    if not KVPRESS_PYTHON.exists():
+        pytest.skip("kvpress is not installed: scripts/setup_kvpress.sh creates .venv-kvpress")
+    import random
+
+    from kvabi.bench.compress_bench import MODEL, haystack
+    from kvabi.models.registry import load_model
+
+    loaded = load_model(MODEL, dtype="fp32", progress=False)
+    export_hf_folder(loaded, tmp_path / "smollm2")
+    e = LLMEngine(loaded, EngineConfig(max_num_batched_tokens=1024))
+    ids, after, _ = haystack(random.Random(3), 600, e, aware=True)
+    case = {"prompt": ids, "press": "snapkv", "ratio": 0.5, "window": 64, "kernel": 5,
+            "sinks": 4, "question": after, "max_tokens": NEW}  # fmt: skip
+    path = tmp_path / "cases.json"
+    path.write_text(json.dumps({"model": str(tmp_path / "smollm2"), "cases": [case]}))
+    done = subprocess.run([str(KVPRESS_PYTHON), str(WORKER), str(path)], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (theirs,) = json.loads(done.stdout)["cases"]
+    tokens, kept = pressed(e, ids, f"snapkv:ratio=0.5,window=64,kernel=5,question={after}")
+    assert sorted(kept) == list(range(30))
+    for layer_id, heads in kept.items():
+        assert [sorted(h) for h in heads] == [sorted(h) for h in theirs["kept"][str(layer_id)]]
+    assert tokens == theirs["tokens"]
