@@ -47,6 +47,7 @@ def plot(f: dict, path: str) -> None:
     )
     for ax in (niah, agree):
         ax.set_xticks(xs, [f"{x}x" for x in xs])
+        ax.minorticks_off()
         ax.legend(loc="lower left")
     fig.suptitle(f"{f['model']} ({f['dtype']}): quality against KV compression")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
