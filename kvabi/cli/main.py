@@ -14,6 +14,7 @@ from kvabi.cli.disagg import add_disagg_args, add_router_args, cmd_disagg, cmd_r
 from kvabi.cli.plan_cli import add_plan_args
 from kvabi.cli.prefill_worker import add_prefill_worker_args, cmd_prefill_worker
 from kvabi.cli.serve import add_serve_args, add_serve_bench_args, cmd_serve
+from kvabi.engine.threads import fit_threads
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -202,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    fit_threads()  # torch's threads from the cores this process owns (engine/threads.py)
     try:
         return args.fn(args)
     except (KvabiError, KeyError, OSError, ValueError) as exc:

@@ -11,6 +11,7 @@ from tqdm import tqdm
 from kvabi.engine.engine import EngineConfig, EngineHooks, LLMEngine, check_tp
 from kvabi.engine.outputs import CompletionOutput, OutputAccumulator, RequestOutput
 from kvabi.engine.sampling_params import SamplingParams
+from kvabi.engine.threads import fit_threads
 from kvabi.interop.model_spec import gguf_fingerprint, state_dict_fingerprint
 from kvabi.models.registry import LoadedModel, load_model, resolve_model
 
@@ -30,6 +31,7 @@ class LLM:
         """`tensor_parallel_size` N > 1: N processes, each with its shard of the weights and
         KV heads (kvabi/engine/tp_group.py); this one is rank 0."""
         config = EngineConfig(**engine_config)  # checked before any rank starts
+        fit_threads()  # torch's threads from the cores this process owns (threads.py)
         loaded = load_model(model, dtype, progress)
         fingerprint = model_fingerprint(model, loaded)
         if tensor_parallel_size == 1:
