@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +21,8 @@ from kvabi.models.cpu_kernels import cpu_kernels
 from kvabi.models.gguf_loader import load_gguf, open_gguf, read_config
 from kvabi.models.hf_loader import load_hf, load_hf_config
 from kvabi.models.tokenizer import Tokenizer
+
+log = logging.getLogger("kvabi.models")
 
 
 @dataclass(frozen=True)
@@ -79,9 +83,27 @@ def bundled_model_path(name: str = DEFAULT_MODEL) -> Path:
 
 
 def _assemble(name: str, bundled: BundledModel) -> Path:
-    """Join the parts into the package's cache file (once; later calls re-check its sha256)."""
+    """Join the parts into the package's cache file (once; later calls re-check its sha256).
+
+    The package writes its file in place, so a second process starting meanwhile (a prefill
+    and a decode server) would read a half-written file and refuse it: the parts are joined
+    into a file of this process's own and renamed into place, which is atomic, and a file
+    that fails its check (a crashed writer's) is rebuilt the same way."""
+    package = importlib.import_module(bundled.package)
+    target = Path(package.default_output_path())
     try:
-        return Path(importlib.import_module(bundled.package).assemble())
+        if target.exists():
+            try:
+                return Path(package.assemble(target))  # checks its sha256
+            except FileExistsError:
+                log.warning("kvabi: %s fails its sha256 check; joining it again", target)
+        part = target.with_name(f".{target.name}.{os.getpid()}.part")
+        try:
+            package.assemble(part, overwrite=True)
+            os.replace(part, target)
+        finally:
+            part.unlink(missing_ok=True)
+        return target
     except FileNotFoundError as e:  # a part package is missing
         raise ModelNotFoundError(f"model {name!r}: {e}; {bundled.pip_install}") from e
 

