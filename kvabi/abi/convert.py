@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvabi.abi.block_copy import can_copy, copy_blocks
 from kvabi.abi.buffers import CacheBuffers, group_views, owner_layers
 from kvabi.abi.codec import decode, encode
 from kvabi.abi.compat import check_compatible
@@ -172,6 +173,12 @@ def reshard(
             raise IncompatibleError(
                 f"{num_tokens} tokens asked of an unpaged {side} cache of {cache.extent}"
             )
+    if _is_same_blocks(srcs, outs, dst_desc, num_tokens):
+        n = srcs[0].extent * src_desc.layout.block_size if whole else num_tokens
+        s_ids = block_table_for(src_desc.layout, n, src_block_ids, srcs[0].extent)
+        d_ids = block_table_for(dst_desc.layout, n, dst_block_ids, outs[0].extent)
+        copy_blocks(srcs[0], outs[0], s_ids.tolist(), d_ids.tolist())
+        return outs
     for layer_id in owner_layers(src_desc):
         src_views = [group_views(s.desc, s.tensors, layer_id) for s in srcs]
         dst_views = [group_views(o.desc, o.tensors, layer_id) for o in outs]
@@ -194,6 +201,21 @@ def reshard(
             _copy_tokens(layer_id, srcs, src_views, src_map, outs, dst_views, dst_map)
         copy_sidecars(layer_id, srcs[0], outs, num_tokens, src_block_ids, dst_block_ids)
     return outs
+
+
+def _is_same_blocks(
+    srcs: Sequence[CacheBuffers], outs: Sequence[CacheBuffers], dst_desc: Descriptor,
+    num_tokens: int | None,
+) -> bool:  # fmt: skip
+    """Whether whole blocks move between two caches of one descriptor (`copy_blocks`)."""
+    return (
+        len(srcs) == len(outs) == 1
+        and srcs[0].desc == dst_desc == outs[0].desc
+        and dst_desc.layout.is_paged
+        and (num_tokens is None or num_tokens % dst_desc.layout.block_size == 0)
+        and can_copy(srcs[0])
+        and can_copy(outs[0])
+    )
 
 
 def _check_sources(srcs: Sequence[CacheBuffers], dst_desc: Descriptor) -> Descriptor:
