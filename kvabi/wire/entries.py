@@ -1,0 +1,205 @@
+"""Tier entries in bulk: many one-block containers of one descriptor written and verified at
+once, byte for byte what `container_bytes` writes and `read_container` accepts.
+
+A tier entry is a container of one block (kvabi/cache/block_codec.py). All entries of one
+descriptor have the same bytes everywhere but in its variable fields: the block's tokens and
+hash, the meta checksum, each section's checksum and buffers, and the end record's summary
+checksum. `EntryShape` knows where those are; the rest is a template taken from the writer
+itself. Writing N entries is then one copy of the template, one strided copy per buffer for
+all N blocks, and the checksums; verifying them one comparison of every fixed byte against the
+template (headers, descriptor, section markers, zero padding and reserved fields), the
+checksums, and the block's identity, per entry; their buffers come back as strided views of
+one `[N, entry]` array, one per buffer for all N blocks, the B axis running over the entries.
+
+An entry this path cannot vouch for is not refused here: the reader stops before it, and the
+caller reads it with `read_container`, which names exactly what is wrong with it (or accepts
+it, such as an entry in another layout of the same model, which the bulk path never takes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+import xxhash
+
+from kvabi.abi.buffers import CacheBuffers, buffer_specs
+from kvabi.abi.descriptor import Descriptor
+from kvabi.wire.container_format import (
+    CHECKSUM_BYTES,
+    END,
+    HASH_BYTES,
+    HEADER,
+    SECTION_HEAD_CHECKED,
+    SECTION_HEADER,
+    TOKEN_BYTES,
+    U64,
+    desc_json,
+    padding,
+    section_layouts,
+)
+from kvabi.wire.container_writer import container_bytes
+
+
+@dataclass(frozen=True, eq=False)
+class _Section:
+    head_at: int  # section header; its checksum at head_at + SECTION_HEAD_CHECKED
+    payload_at: int
+    payload_len: int
+
+
+@dataclass(frozen=True, eq=False)
+class EntryShape:
+    """Where the variable fields of a one-block container of `desc` are."""
+
+    desc: Descriptor
+    size: int
+    tokens_at: int
+    hashes_at: int
+    meta_sum_at: int
+    sections: tuple[_Section, ...]
+    end_at: int
+    buffers: dict[str, int]  # buffer key -> its offset in the entry
+    template: np.ndarray  # uint8 [size]: a writer's entry (fixed fields as every entry has them)
+    fixed: np.ndarray  # int64: the offsets of every fixed byte
+    sums: np.ndarray  # int64 [sections + 2, 8]: where the meta, section and end checksums go
+
+    @property
+    def block_size(self) -> int:
+        return self.desc.layout.block_size
+
+
+@lru_cache(maxsize=64)
+def entry_shape(desc: Descriptor) -> EntryShape | None:
+    """The shape of `desc`'s one-block entries, or None where the bulk path does not apply
+    (an unpaged, tiled or cross-layer layout)."""
+    lay = desc.layout
+    if not lay.is_paged or lay.is_tiled or lay.is_cross_layer:
+        return None
+    bs = desc.layout.block_size
+    template = container_bytes(CacheBuffers.empty(desc, 1, "zeros"), [0] * bs, [bytes(32)])
+    tokens_at = HEADER.size + len(desc_json(desc))
+    hashes_at = tokens_at + TOKEN_BYTES * bs
+    meta_sum_at = hashes_at + HASH_BYTES
+    at = meta_sum_at + CHECKSUM_BYTES
+    at += padding(at)
+    sections, buffers = [], {}
+    variable = np.zeros(len(template), dtype=bool)
+    variable[tokens_at : meta_sum_at + CHECKSUM_BYTES] = True
+    for layout in section_layouts(desc, bs):
+        if layout.first:
+            return None
+        payload_at = at + SECTION_HEADER.size
+        sections.append(_Section(at, payload_at, layout.payload_len))
+        variable[at + SECTION_HEAD_CHECKED : at + SECTION_HEAD_CHECKED + CHECKSUM_BYTES] = True
+        for spec, offset in zip(layout.specs, layout.offsets, strict=True):
+            buffers[spec.key] = payload_at + offset
+            variable[payload_at + offset : payload_at + offset + spec.num_bytes] = True
+        at = payload_at + layout.payload_len
+        at += padding(at)
+    end_sum_at = at + 8  # END: magic, count, then the summary checksum
+    variable[end_sum_at : end_sum_at + CHECKSUM_BYTES] = True
+    if at + END.size != len(template):
+        raise AssertionError(f"entry shape: {at + END.size} bytes, the writer made {len(template)}")
+    checked = [meta_sum_at, *(s.head_at + SECTION_HEAD_CHECKED for s in sections), end_sum_at]
+    return EntryShape(
+        desc=desc,
+        size=len(template),
+        tokens_at=tokens_at,
+        hashes_at=hashes_at,
+        meta_sum_at=meta_sum_at,
+        sections=tuple(sections),
+        end_at=at,
+        buffers=buffers,
+        template=np.frombuffer(template, dtype=np.uint8).copy(),
+        fixed=np.flatnonzero(~variable),
+        sums=np.asarray(checked, dtype=np.int64)[:, None] + np.arange(CHECKSUM_BYTES),
+    )
+
+
+def write_entries(
+    shape: EntryShape, blocks: CacheBuffers, token_ids: Sequence[Sequence[int]],
+    block_hashes: Sequence[bytes],
+) -> list[bytes]:  # fmt: skip
+    """The entries of `blocks`' first `len(block_hashes)` blocks (of `shape.desc`), block i
+    under `token_ids[i]` and `block_hashes[i]`."""
+    n = len(block_hashes)
+    if blocks.desc != shape.desc:
+        raise ValueError("write_entries: the blocks are not of the shape's descriptor")
+    if any(len(t) != shape.block_size for t in token_ids) or any(
+        len(h) != HASH_BYTES for h in block_hashes
+    ):
+        raise ValueError(f"write_entries: {shape.block_size} tokens and a 32-byte hash per block")
+    out = np.empty((n, shape.size), dtype=np.uint8)
+    out[:] = shape.template
+    ids = np.asarray(token_ids, dtype="<u4").reshape(n, -1).view(np.uint8)
+    out[:, shape.tokens_at : shape.hashes_at] = ids
+    out[:, shape.hashes_at : shape.meta_sum_at] = np.frombuffer(
+        b"".join(block_hashes), dtype=np.uint8
+    ).reshape(n, HASH_BYTES)
+    views = _buffer_views(shape, out)
+    for spec in buffer_specs(shape.desc, 1):
+        views[spec.key].copy_(blocks.tensors[spec.key].narrow(spec.dim("B"), 0, n))
+    sums = np.empty((n, len(shape.sections) + 2), dtype="<u8")
+    for i in range(n):
+        sums[i] = _checksums(shape, out[i])
+    out[:, shape.sums] = sums.view(np.uint8).reshape(n, -1, CHECKSUM_BYTES)
+    return [row.tobytes() for row in out]
+
+
+def read_entries(
+    shape: EntryShape, entries: Sequence[bytes | None], token_ids: Sequence[Sequence[int]],
+    block_hashes: Sequence[bytes],
+) -> tuple[int, CacheBuffers | None]:  # fmt: skip
+    """How many leading entries are verified entries of `shape.desc` holding exactly block i's
+    tokens and hash, and their blocks (copied out, the B axis over the entries; None for
+    none). Stops at the first it cannot vouch for (absent, damaged, another layout)."""
+    n = 0
+    for entry, ids, block_hash in zip(entries, token_ids, block_hashes, strict=False):
+        if entry is None or len(entry) != shape.size:
+            break
+        raw = np.frombuffer(entry, dtype=np.uint8)
+        if not np.array_equal(raw[shape.fixed], shape.template[shape.fixed]):
+            break
+        if bytes(raw[shape.hashes_at : shape.meta_sum_at]) != block_hash:
+            break
+        if raw[shape.tokens_at : shape.hashes_at].view("<u4").tolist() != list(ids):
+            break
+        stored = raw[shape.sums].reshape(-1).view("<u8")
+        if not np.array_equal(stored, _checksums(shape, raw)):
+            break
+        n += 1
+    if not n:
+        return 0, None
+    out = np.empty((n, shape.size), dtype=np.uint8)
+    for i in range(n):
+        out[i] = np.frombuffer(entries[i], dtype=np.uint8)
+    return n, CacheBuffers(shape.desc, _buffer_views(shape, out))
+
+
+def _checksums(shape: EntryShape, raw: np.ndarray) -> np.ndarray:
+    """The meta, section and end checksums of one entry's bytes (its stored fields ignored)."""
+    data = memoryview(raw)
+    sums = [xxhash.xxh3_64_intdigest(data[: shape.meta_sum_at])]
+    for s in shape.sections:
+        h = xxhash.xxh3_64(data[s.head_at : s.head_at + SECTION_HEAD_CHECKED])
+        h.update(data[s.payload_at : s.payload_at + s.payload_len])
+        sums.append(h.intdigest())
+    sums.append(xxhash.xxh3_64_intdigest(b"".join(U64.pack(c) for c in sums[1:])))
+    return np.asarray(sums, dtype="<u8")
+
+
+def _buffer_views(shape: EntryShape, out: np.ndarray) -> dict[str, torch.Tensor]:
+    """Each buffer of the entries in `out` ([n, size] bytes) as a view with B = n."""
+    n, rows = out.shape[0], torch.from_numpy(out)
+    views = {}
+    for spec in buffer_specs(shape.desc, 1):
+        at = shape.buffers[spec.key]
+        cols = rows[:, at : at + spec.num_bytes].view(spec.dtype)  # [n, elements]
+        b = spec.dim("B")
+        views[spec.key] = cols.view(n, *spec.shape).squeeze(b + 1).movedim(0, b)
+    return views
+
