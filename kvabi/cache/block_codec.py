@@ -4,7 +4,9 @@ An entry is a container (docs/ABI.md, section 5) whose token ids are the block's
 tokens, whose block hashes are `[the block's chained hash]` and whose one block of K/V is in the
 writer's own layout. Decoding verifies every checksum, that the entry is of this model (compat
 digest), and that it is the block asked for (hash and tokens), before a byte is used; an entry
-in another layout of the same model decodes too and is converted when it is placed.
+in another layout of the same model decodes too and is converted when it is placed. Runs of
+entries are written and verified in bulk (kvabi/wire/entries.py): the same bytes, the same
+checks, a fixed cost per run instead of per buffer of every entry.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from kvabi.abi.buffers import CacheBuffers, buffer_specs
 from kvabi.abi.descriptor import Descriptor
 from kvabi.cache.block_hasher import BlockKey
 from kvabi.wire import FormatError, container_bytes, read_container
+from kvabi.wire.entries import entry_shape, read_entries, write_entries
 
 
 class BlockCodec:
@@ -25,11 +28,30 @@ class BlockCodec:
 
     def encode(self, blocks: CacheBuffers, index: int, key: BlockKey) -> bytes:
         """The entry of block `index` of `blocks` (a snapshot in this codec's layout)."""
-        one = {
-            s.key: blocks.tensors[s.key].narrow(s.axes.index("B"), index, 1)
-            for s in buffer_specs(blocks.desc, blocks.extent)
-        }
-        return container_bytes(CacheBuffers(blocks.desc, one), key.token_ids, [key.block_hash])
+        one = narrow_blocks(blocks, index, 1)
+        return container_bytes(one, key.token_ids, [key.block_hash])
+
+    def encode_many(self, blocks: CacheBuffers, keys: Sequence[BlockKey]) -> list[bytes]:
+        """The entries of blocks 0 .. len(keys)-1 of `blocks`, written in bulk where their
+        layout allows (the same bytes as `encode`'s)."""
+        shape = entry_shape(blocks.desc) if len(keys) > 1 else None
+        if shape is None:
+            return [self.encode(blocks, i, key) for i, key in enumerate(keys)]
+        return write_entries(
+            shape, blocks, [k.token_ids for k in keys], [k.block_hash for k in keys]
+        )
+
+    def decode_many(
+        self, entries: Sequence[bytes | None], keys: Sequence[BlockKey]
+    ) -> tuple[int, CacheBuffers | None]:
+        """How many leading entries the bulk reader verified as exactly `keys`' blocks in
+        this codec's layout, and their blocks (B over the entries). It stops at the first it
+        cannot vouch for: `decode` that one, to refuse it with the reason or take it."""
+        shape = entry_shape(self.desc)
+        if shape is None:
+            return 0, None
+        ids, hashes = [k.token_ids for k in keys], [k.block_hash for k in keys]
+        return read_entries(shape, entries, ids, hashes)
 
     def decode(self, entry: bytes | bytearray, key: BlockKey) -> CacheBuffers:
         """The block's K/V, in the entry's layout; raises a `KvabiError` (checksum, format,
@@ -50,3 +72,14 @@ def stack_blocks(caches: Sequence[CacheBuffers]) -> CacheBuffers:
         for s in buffer_specs(desc, 1)
     }
     return CacheBuffers(desc, tensors)
+
+
+def narrow_blocks(blocks: CacheBuffers, start: int, length: int) -> CacheBuffers:
+    """Views of a paged cache's blocks `start .. start + length - 1`."""
+    return CacheBuffers(
+        blocks.desc,
+        {
+            s.key: blocks.tensors[s.key].narrow(s.axes.index("B"), start, length)
+            for s in buffer_specs(blocks.desc, blocks.extent)
+        },
+    )

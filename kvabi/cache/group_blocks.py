@@ -279,7 +279,7 @@ def _load(
         p: cache.pool_tiers[p].fetch([group_key(keys[i], g.group_id) for g, i in by_pool[p]])
         for p in pools
     }
-    if any(len(found[p]) < len(by_pool[p]) for p in pools):
+    if any((found[p].extent if found[p] else 0) < len(by_pool[p]) for p in pools):
         return False
     for p in pools:
         _place_loaded(cache, p, pinned[p], by_pool[p], found[p], keys)
@@ -288,15 +288,16 @@ def _load(
 
 def _place_loaded(
     cache: KVCache, pool_id: int, pinned: list[int], todo: list[tuple[BlockGroup, int]],
-    found: list[CacheBuffers], keys: Sequence[BlockKey],
+    found: CacheBuffers | None, keys: Sequence[BlockKey],
 ) -> None:  # fmt: skip
     pool, storage = cache.pools[pool_id], cache.storages[pool_id]
     pool.touch(pinned)
     targets: list[int] = []
     try:
         targets = pool.allocate(len(todo))  # evicted blocks are written down inside
-        for block_id, (g, i), blocks in zip(targets, todo, found, strict=True):
-            storage.write_blocks(blocks, [block_id])
+        if targets:
+            storage.write_blocks(found, targets)  # found[j] is todo[j]'s block
+        for block_id, (g, i) in zip(targets, todo, strict=True):
             pool.cache_block(block_id, keys[i], g.group_id)
     finally:
         pool.free(pinned + targets)

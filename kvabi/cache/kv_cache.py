@@ -33,7 +33,6 @@ from kvabi.cache.block_api import (  # noqa: F401 - the block API's types, re-ex
     MatchResult,
     held_blocks,
 )
-from kvabi.cache.block_codec import stack_blocks
 from kvabi.cache.block_events import BlockEventSink, event_groups
 from kvabi.cache.block_groups import plan_groups
 from kvabi.cache.block_hasher import BlockHasher, BlockKey
@@ -197,10 +196,15 @@ class KVCache:
             return n
         pooled = self._pooled_ids([k.block_hash for k in keys[:n]])
         room = self.pool.num_free - self.pool.num_free_of(pooled)
-        found = self.tiers.fetch(keys[n:], max(room, 0))
-        if found:
-            self._place(pooled, list(keys[n : n + len(found)]), found)
-        return n + len(found)
+        targets: list[int] = []  # placed blocks stay held until the last run is placed
+        self.pool.touch(pooled)
+        try:
+            loaded = self.tiers.load(
+                keys[n:], max(room, 0), lambda c, ids, run: self._write_new(c, ids, run, targets)
+            )
+        finally:
+            self.pool.free(pooled + targets)
+        return n + loaded
 
     def export(
         self, token_ids: Sequence[int], cache_salt: str | None, start_token: int = 0
@@ -254,7 +258,7 @@ class KVCache:
         if payload.start_token % bs or held < first or last <= held:
             return ImportResult(held * bs, 0)
         keys = self.hasher.keys_of(hashes, token_ids, first, last)
-        return ImportResult(last * bs, self._place(pooled, keys, [payload.cache]))
+        return ImportResult(last * bs, self._place(pooled, keys, payload.cache))
 
     # ---- housekeeping ----
 
@@ -313,22 +317,26 @@ class KVCache:
         found = (self.pool.cached_block(h) for h in hashes)
         return [b for b in found if b is not None]
 
-    def _place(self, pooled: list[int], keys: list[BlockKey], caches: list[CacheBuffers]) -> int:
-        """Write `caches`' blocks (in order, `len(keys)` in all) into new pool blocks indexed
-        under `keys`, the prefix blocks `pooled` pinned meanwhile (so allocating cannot evict
-        them); returns how many were new. All end up free: cached, or empty when the pool
-        already held that hash."""
+    def _place(self, pooled: list[int], keys: list[BlockKey], cache: CacheBuffers) -> int:
+        """Write `cache`'s first `len(keys)` blocks into new pool blocks indexed under `keys`,
+        the prefix blocks `pooled` pinned meanwhile (so allocating cannot evict them); returns
+        how many were new. All end up free: cached, or empty when the pool already held that
+        hash."""
         self.pool.touch(pooled)
         targets: list[int] = []
         try:
-            targets = self.pool.allocate(len(keys))  # evicted blocks are written down inside
-            if len(caches) > 1 and all(c.desc == caches[0].desc for c in caches):
-                caches = [stack_blocks(caches)]  # one conversion for the run
-            if len(caches) == 1:
-                self.storage.write_blocks(caches[0], targets)  # converts layout and block size
-            else:
-                for cache, block_id in zip(caches, targets, strict=True):
-                    self.storage.write_blocks(cache, [block_id])
-            return sum(self.pool.cache_block(b, k) for b, k in zip(targets, keys, strict=True))
+            return self._write_new(cache, None, keys, targets)
         finally:
             self.pool.free(pooled + targets)
+
+    def _write_new(
+        self, cache: CacheBuffers, src_ids: list[int] | None, keys: list[BlockKey],
+        targets: list[int],
+    ) -> int:  # fmt: skip
+        """Write `cache`'s blocks `src_ids` (None: its first `len(keys)`) into new pool blocks,
+        added to `targets` (held until the caller frees them), indexed under `keys`; returns
+        how many were new."""
+        new = self.pool.allocate(len(keys))  # evicted blocks are written down inside
+        targets += new
+        self.storage.write_blocks(cache, new, src_ids)  # converts layout and block size
+        return sum(self.pool.cache_block(b, k) for b, k in zip(new, keys, strict=True))

@@ -216,11 +216,16 @@ class KVStorage:
         n = len(block_ids) * self.block_size
         return convert(self.buffers, self.desc, num_tokens=n, src_block_ids=block_ids)
 
-    def write_blocks(self, cache: CacheBuffers, block_ids: Sequence[int]) -> None:
+    def write_blocks(
+        self, cache: CacheBuffers, block_ids: Sequence[int], src_ids: Sequence[int] | None = None
+    ) -> None:
         """Place `cache`'s first `len(block_ids)` blocks' worth of tokens (any layout of this
-        model) into `block_ids`, converting on the way."""
+        model; with `src_ids`, its blocks `src_ids`) into `block_ids`, converting on the way."""
         n = len(block_ids) * self.block_size
-        convert(cache, self.desc, num_tokens=n, dst_block_ids=block_ids, out=self.buffers)
+        convert(
+            cache, self.desc, num_tokens=n,
+            src_block_ids=src_ids, dst_block_ids=block_ids, out=self.buffers,
+        )  # fmt: skip
 
     def copy_blocks(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
         """Copy whole blocks `src_ids[i]` -> `dst_ids[i]` (copy on write)."""

@@ -3,8 +3,10 @@
 Every tier holds *entries*: one block as an ABI container (its descriptor, its tokens, its block
 hash, its K/V; `BlockCodec`), keyed by the portable block hash. A tier stores and returns bytes
 and never interprets them: checksums, the model check and layout conversion happen once, in
-`TieredCache`, whatever tier an entry came from. Each tier has a capacity in bytes and evicts its
-own least recently used entries to stay under it.
+`TieredCache`, whatever tier an entry came from. The host tier (`holds_blocks`) keeps the
+engine's blocks as tensors instead: they never leave the process (kvabi/cache/host_tier.py).
+Each tier has a capacity in bytes and evicts its own least recently used entries to stay
+under it.
 
 A tier may fail (a remote store goes away, a value in it is not what this code wrote): any
 exception from a tier's own code is a tier failure. The public methods catch it, count it, log
@@ -63,6 +65,7 @@ class KVTier(ABC):
     turn any exception into a failure (see the module docstring)."""
 
     name: str
+    holds_blocks = False  # keeps blocks as tensors too (`put_blocks`, `load_blocks`: HostTier)
 
     def __init__(self, capacity_bytes: int, retry_s: float = 1.0) -> None:
         if capacity_bytes < 1:

@@ -1,8 +1,9 @@
 """`TierWriter`: writes blocks down the tiers on a background thread; the step loop never waits.
 
 The step loop first reserves room (`reserve`), then hands over a snapshot (a copy of the blocks,
-taken before their memory is reused) and their keys; the thread encodes each block as a
-container entry once and puts it into every tier that lacks it. The queue is bounded in bytes of
+taken before their memory is reused) and their keys; the thread copies the blocks into the host
+tier's slab, and encodes each block as a container entry once for every other tier that lacks
+it. The queue is bounded in bytes of
 snapshots: blocks beyond the bound are dropped before anything is copied, and counted. A lost
 write-down costs a later recompute, never a wrong answer.
 """
@@ -14,7 +15,7 @@ import threading
 from collections.abc import Sequence
 
 from kvabi.abi.buffers import CacheBuffers
-from kvabi.cache.block_codec import BlockCodec
+from kvabi.cache.block_codec import BlockCodec, narrow_blocks
 from kvabi.cache.block_hasher import BlockKey
 from kvabi.cache.tier import KVTier
 
@@ -77,11 +78,21 @@ class TierWriter:
                 self._queue.task_done()
 
     def _write(self, blocks: CacheBuffers, keys: list[BlockKey]) -> None:
+        for tier in self.tiers:
+            if tier.holds_blocks:
+                tier.put_blocks(blocks, keys)  # one copy per buffer, no encoding
+        tiers = [t for t in self.tiers if not t.holds_blocks]
         hashes = [k.block_hash for k in keys]
-        missing = [[not p for p in tier.contains_many(hashes)] for tier in self.tiers]
-        for i, key in enumerate(keys):
-            targets = [t for t, m in zip(self.tiers, missing, strict=True) if m[i]]
-            if targets:
-                entry = self.codec.encode(blocks, i, key)
-                for tier in targets:
+        missing = [[not p for p in tier.contains_many(hashes)] for tier in tiers]
+        wanted = [i for i in range(len(keys)) if any(m[i] for m in missing)]
+        if not wanted:
+            return
+        if len(wanted) < len(keys):
+            blocks = narrow_blocks(blocks, wanted[0], wanted[-1] + 1 - wanted[0])
+            keys = keys[wanted[0] : wanted[-1] + 1]
+            missing = [m[wanted[0] : wanted[-1] + 1] for m in missing]
+        entries = self.codec.encode_many(blocks, keys)  # those between wanted ones too
+        for i, (key, entry) in enumerate(zip(keys, entries, strict=True)):
+            for tier, m in zip(tiers, missing, strict=True):
+                if m[i]:
                     tier.put(key.block_hash, entry)

@@ -3,12 +3,14 @@
 - Down: a cached block the pool evicts (its memory taken for another block), or an idle
   session's block, is copied out of the KV storage on the step thread (`write_down`: one gather
   for all of an allocation's, before anything can overwrite them) and handed to the
-  `TierWriter`, which encodes and stores it in every tier that lacks it (tiers are inclusive).
-- Up: `fetch` finds the leading run of blocks some tier holds, in tier order (host, disk,
+  `TierWriter`, which stores it in every tier that lacks it (tiers are inclusive): into the
+  host tier's slab as it is, encoded as a container for the others.
+- Up: `load` finds the leading run of blocks some tier holds, in tier order (host, disk,
   Redis; the first that has a block serves it), and verifies each entry (checksums, model,
-  block identity) before it is returned; one that fails is removed from its tier and the run
+  block identity) before it is handed on; one that fails is removed from its tier and the run
   stops there: the rest of the prompt is recomputed, never read from a bad entry. `KVCache`
-  places what it returns into the pool; the vLLM connector into vLLM's blocks.
+  places the runs straight into the pool (from the host tier's slab: one gather per buffer);
+  `fetch` returns a copy (the vLLM connector places it into vLLM's blocks).
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvabi.abi.buffers import CacheBuffers
+from kvabi.abi.convert import convert
 from kvabi.abi.descriptor import Descriptor
 from kvabi.abi.errors import IncompatibleError
-from kvabi.cache.block_codec import BlockCodec
+from kvabi.cache.block_codec import BlockCodec, stack_blocks
 from kvabi.cache.block_hasher import BlockKey
 from kvabi.cache.kv_storage import KVStorage
 from kvabi.cache.tier import KVTier
@@ -30,6 +33,8 @@ from kvabi.cache.tier_writer import TierWriter
 
 log = logging.getLogger("kvabi.cache")
 Plan = list[tuple[KVTier, BlockKey]]
+# (a cache holding a run's blocks, which of its blocks (None: all, in order), the run's keys)
+Place = Callable[[CacheBuffers, list[int] | None, list[BlockKey]], None]
 
 
 class TieredCache:
@@ -43,6 +48,7 @@ class TieredCache:
         """Entries hold blocks of `desc`; `storage`: the KV storage `write_down` copies blocks
         out of (None for a reader that only fetches, such as the vLLM connector)."""
         self.tiers, self.storage = tiers, storage
+        self.desc, self.block_size = desc, desc.layout.block_size
         self.codec = BlockCodec(desc)
         self.writer = None  # what write_down hands its copies to (with a storage)
         self.owns_tiers = True  # close() releases the tiers (not for one made `beside`)
@@ -85,17 +91,36 @@ class TieredCache:
         present = self._present([k.block_hash for k in keys]) if self.tiers else []
         return [any(j in p for p in present) for j in range(len(keys))]
 
-    def fetch(self, keys: Sequence[BlockKey], max_blocks: int | None = None) -> list[CacheBuffers]:
-        """The verified blocks of the leading run of `keys` some tier holds (at most
-        `max_blocks`), each from the first tier holding it, in order."""
-        found: list[CacheBuffers] = []
+    def load(self, keys: Sequence[BlockKey], max_blocks: int | None, place: Place) -> int:
+        """Hand the verified blocks of the leading run of `keys` some tier holds (at most
+        `max_blocks`), each from the first tier holding it, to `place` in order, a run at a
+        time: `place(cache, block_ids, run_keys)`, the run's blocks being `cache`'s blocks
+        `block_ids` (a host slab's slots, called while they are locked) or all of it (None,
+        entries decoded). Returns how many blocks were handed over."""
+        loaded = 0
         for tier, entries in itertools.groupby(self._plan(keys)[:max_blocks], key=lambda e: e[0]):
             run = [key for _, key in entries]  # consecutive blocks the same tier serves
-            caches = self._fetch_run(tier, run)
-            found += caches
-            if len(caches) < len(run):
+            n = self._load_run(tier, run, place)
+            loaded += n
+            if n < len(run):
                 break
-        return found
+        return loaded
+
+    def fetch(self, keys: Sequence[BlockKey], max_blocks: int | None = None) -> CacheBuffers | None:
+        """A copy of the verified blocks of the leading run of `keys` some tier holds (see
+        `load`), in this cache's entry layout, blocks 0, 1, ...; None when there are none."""
+        parts: list[CacheBuffers] = []
+
+        def take(cache: CacheBuffers, block_ids: list[int] | None, run: list[BlockKey]) -> None:
+            if block_ids is not None or cache.desc != self.desc:
+                cache = convert(
+                    cache, self.desc, num_tokens=len(run) * self.block_size,
+                    src_block_ids=block_ids,
+                )  # fmt: skip
+            parts.append(cache)
+
+        self.load(keys, max_blocks, take)
+        return stack_blocks(parts) if len(parts) > 1 else (parts[0] if parts else None)
 
     def flush(self) -> None:
         """Wait for queued write-downs (tests, benches, a second process about to read)."""
@@ -138,17 +163,33 @@ class TieredCache:
             missing = [i for i, f in zip(missing, found, strict=True) if not f]
         return present
 
-    def _fetch_run(self, tier: KVTier, run: list[BlockKey]) -> list[CacheBuffers]:
-        """The verified leading blocks of `run`, all from `tier` (one round trip)."""
-        start, caches = time.perf_counter(), []
-        for key, entry in zip(run, tier.get_many([k.block_hash for k in run]), strict=True):
-            cache = self._decode(tier, key, entry)
-            if cache is None:
-                break
-            caches.append(cache)
-        tokens = sum(len(k.token_ids) for k in run[: len(caches)])
+    def _load_run(self, tier: KVTier, run: list[BlockKey], place: Place) -> int:
+        """Hand the verified leading blocks of `run`, all from `tier`, to `place` (one round
+        trip); how many."""
+        start = time.perf_counter()
+        n = tier.load_blocks(run, self.desc.model, place) if tier.holds_blocks else 0
+        if n < len(run):
+            n += self._load_entries(tier, run[n:], place)
+        tokens = sum(len(k.token_ids) for k in run[:n])
         tier.stats.add(loads=1, load_seconds=time.perf_counter() - start, hit_tokens=tokens)
-        return caches
+        return n
+
+    def _load_entries(self, tier: KVTier, run: list[BlockKey], place: Place) -> int:
+        """Read `run`'s entries from `tier` (one round trip), verify the leading ones in bulk
+        and hand them to `place` (an entry the bulk reader stops at: decoded on its own, refused
+        with its reason or converted); how many."""
+        entries, i = tier.get_many([k.block_hash for k in run]), 0
+        while i < len(run):
+            n, cache = self.codec.decode_many(entries[i:], run[i:])
+            if not n:
+                cache = self._decode(tier, run[i], entries[i])
+                if cache is None:
+                    break
+                n = 1
+                cache = cache if cache.desc == self.desc else convert(cache, self.desc)
+            place(cache, None, run[i : i + n])
+            i += n
+        return i
 
     def _decode(self, tier: KVTier, key: BlockKey, entry: bytes | None) -> CacheBuffers | None:
         if entry is None:

@@ -39,7 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvabi.abi.buffers import CacheBuffers
 from kvabi.abi.convert import convert
 from kvabi.abi.descriptor import Descriptor
-from kvabi.cache.block_codec import BlockCodec, stack_blocks
+from kvabi.cache.block_codec import BlockCodec, narrow_blocks
 from kvabi.cache.block_hasher import BlockHasher, BlockKey
 from kvabi.cache.tier_config import TierConfig
 from kvabi.cache.tiered_cache import TieredCache
@@ -54,7 +54,7 @@ from kvabi.interop.vllm_cache import (
 @dataclass
 class Load:
     block_ids: list[int]  # vLLM blocks to fill
-    blocks: list[CacheBuffers]  # verified store blocks, in prompt order (`ratio` per vLLM block)
+    blocks: CacheBuffers  # verified store blocks, in prompt order (`ratio` per vLLM block)
 
 
 @dataclass
@@ -121,7 +121,7 @@ class KvabiConnector(KVConnectorBase_V1):
             config = TierConfig(disk_dir=extra.get("disk_dir"), redis_url=extra.get("redis_url"))
             self.tiers = TieredCache(self.store, config.build(self.model.compat_digest()))
         self._requests: dict[str, _Request] = {}
-        self._matched: dict[str, list[CacheBuffers]] = {}  # blocks found, waiting for vLLM's
+        self._matched: dict[str, CacheBuffers] = {}  # blocks found, waiting for vLLM's
         self._loads: list[Load] = []
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._cache: CacheBuffers | None = None
@@ -137,10 +137,10 @@ class KvabiConnector(KVConnectorBase_V1):
         bs, r = self.block_size, self.ratio
         first, last = num_computed_tokens // bs, (len(ids) - 1) // bs  # the last token is run
         found = self._fetch(keys[first * r : last * r])
-        num_blocks = len(found) // r  # whole vLLM blocks only
+        num_blocks = (found.extent if found else 0) // r  # whole vLLM blocks only
         if not num_blocks:
             return 0, False
-        self._matched[request.request_id] = found[: num_blocks * r]
+        self._matched[request.request_id] = narrow_blocks(found, 0, num_blocks * r)
         return (first + num_blocks) * bs - num_computed_tokens, False
 
     def _keys(self, ids: list[int], salt: str | None) -> list[BlockKey]:
@@ -152,22 +152,22 @@ class KvabiConnector(KVConnectorBase_V1):
         except ValueError:
             return []
 
-    def _fetch(self, keys: list[BlockKey]) -> list[CacheBuffers]:
+    def _fetch(self, keys: list[BlockKey]) -> CacheBuffers | None:
         """The verified blocks of the longest leading run of `keys` that some tier holds (a
         bad or foreign entry is removed and ends the run; a tier that is down is a miss)."""
         start = time.perf_counter()
         found = self.tiers.fetch(keys)
         self.stats.fetch_s += time.perf_counter() - start
-        self.stats.num_fetched += len(found)
+        self.stats.num_fetched += found.extent if found else 0
         return found
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
-        found = self._matched.pop(request.request_id, [])
-        if not num_external_tokens or not found:
+        found = self._matched.pop(request.request_id, None)
+        if not num_external_tokens or found is None:
             return
         block_ids = list(blocks.get_block_ids()[0])
         first = request.num_computed_tokens // self.block_size
-        num_blocks = len(found) // self.ratio
+        num_blocks = found.extent // self.ratio
         self._loads.append(Load(block_ids[first : first + num_blocks], found))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
@@ -235,11 +235,10 @@ class KvabiConnector(KVConnectorBase_V1):
         cache = self._vllm_cache(forward_context)
         for load in meta.loads:
             start = time.perf_counter()
-            same = [b if b.desc == self.store else convert(b, self.store) for b in load.blocks]
-            src = stack_blocks(same)  # in the store's layout, blocks 0, 1, ...
+            src = load.blocks  # in the store's layout, blocks 0, 1, ...
             write_sequence(src, cache, load.block_ids, len(load.block_ids) * self.block_size)
             self.stats.load_s += time.perf_counter() - start
-            self.stats.num_loaded += len(load.blocks)
+            self.stats.num_loaded += src.extent
             self.stats.bytes_loaded += src.num_bytes
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -257,8 +256,8 @@ class KvabiConnector(KVConnectorBase_V1):
             blocks = convert(
                 self._cache, self.store, num_tokens=num_tokens, src_block_ids=save.block_ids
             )
-            for i, key in enumerate(save.keys):
-                self._encoded.append((key.block_hash, self.codec.encode(blocks, i, key)))
+            entries = self.codec.encode_many(blocks, save.keys)
+            self._encoded += [(k.block_hash, e) for k, e in zip(save.keys, entries, strict=True)]
             self.stats.save_s += time.perf_counter() - start
             self.stats.num_saved += len(save.keys)
             self.stats.bytes_saved += blocks.num_bytes

@@ -41,11 +41,14 @@ class TPStorage(KVStorage):
         theirs = self.group.gather_blocks(self.pool_id, list(block_ids), self.descs)
         return merge_heads([mine, *theirs], self.plan, self.entry_desc)
 
-    def write_blocks(self, cache: CacheBuffers, block_ids: Sequence[int]) -> None:
+    def write_blocks(
+        self, cache: CacheBuffers, block_ids: Sequence[int], src_ids: Sequence[int] | None = None
+    ) -> None:
         """Place a whole cache's first `len(block_ids)` blocks' worth of tokens (any layout of
-        this model) into `block_ids` on every rank, each its heads."""
+        this model; with `src_ids`, its blocks `src_ids`) into `block_ids` on every rank, each
+        its heads."""
         n = len(block_ids) * self.block_size
-        whole = convert(cache, self.entry_desc, num_tokens=n)  # [len(block_ids)] blocks
+        whole = convert(cache, self.entry_desc, num_tokens=n, src_block_ids=src_ids)
         shards = split_heads(whole, self.plan, self.descs)
         super().write_blocks(shards[0], block_ids)
         self.group.scatter_blocks(self.pool_id, list(block_ids), shards)

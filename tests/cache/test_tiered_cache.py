@@ -88,9 +88,9 @@ class GatedTier(HostTier):
         super().__init__(1 << 20)
         self.gate = threading.Event()
 
-    def put(self, block_hash: bytes, entry: bytes) -> None:
+    def put_blocks(self, blocks, keys) -> None:
         self.gate.wait(10)
-        super().put(block_hash, entry)
+        super().put_blocks(blocks, keys)
 
 
 def test_the_writer_never_blocks_and_drops_what_its_queue_cannot_hold():
@@ -109,7 +109,8 @@ def test_the_writer_never_blocks_and_drops_what_its_queue_cannot_hold():
     writer.submit(storage.read_blocks([0, 3]), [keys[0], keys[3]], 200)
     writer.close()
     assert (tier.stats.writes, writer.num_queued_bytes, writer.num_dropped_blocks) == (3, 0, 3)
-    assert tier.lru_order() == [k.block_hash for k in (keys[0], keys[1], keys[3])]  # 0 kept
+    # 0 was held: not copied again, made most recent (it was just in use in the pool)
+    assert tier.lru_order() == [k.block_hash for k in (keys[1], keys[0], keys[3])]
 
 
 def tiered(num_blocks=6) -> KVCache:
@@ -148,19 +149,55 @@ def test_held_loads_the_run_after_the_pooled_prefix_into_exact_blocks():
     assert cache.held(keys) == 3 and host.stats.hit_tokens == 12  # all pooled: nothing loaded
 
 
-def test_a_corrupt_entry_is_a_miss_removed_and_the_load_stops_before_it():
+def test_a_corrupt_entry_is_a_miss_removed_and_the_load_stops_before_it(tmp_path):
+    cache = KVCache(DESC, 6, tiers=TierConfig(disk_dir=str(tmp_path)))
+    fill(cache.storage, seed=1)
+    keys = cache.hasher.keys(TOKENS)
+    write_chain(cache, keys)
+    cache.pool.drop_cached()
+    disk = cache.tiers.tier("disk")
+    good = disk.get_many([keys[1].block_hash])[0]
+    disk.remove(keys[1].block_hash)
+    disk.put(keys[1].block_hash, good[:-64] + bytes(64))  # a damaged copy of block 1
+    assert cache.held(keys) == 1  # block 0 only: the chain breaks at block 1
+    assert disk.contains_many([k.block_hash for k in keys]) == [True, False, True]
+    assert (disk.stats.corrupt, disk.stats.hit_tokens) == (1, 4)
+    assert cache.num_pooled([k.block_hash for k in keys]) == 1
+
+
+def test_a_host_block_held_under_other_tokens_is_refused_and_removed():
     cache = tiered()
     keys = cache.hasher.keys(TOKENS)
     write_chain(cache, keys)
     cache.pool.drop_cached()
     host = cache.tiers.tier("host")
-    good = host.get_many([keys[1].block_hash])[0]
     host.remove(keys[1].block_hash)
-    host.put(keys[1].block_hash, good[:-64] + bytes(64))  # a damaged copy of block 1
-    assert cache.held(keys) == 1  # block 0 only: the chain breaks at block 1
+    stray = BlockKey(keys[1].block_hash, (9, 9, 9, 9))  # the hash, with other tokens
+    host.put_blocks(cache.storage.read_blocks([0]), [stray])
+    assert cache.held(keys) == 1
     assert host.contains_many([k.block_hash for k in keys]) == [True, False, True]
     assert (host.stats.corrupt, host.stats.hit_tokens) == (1, 4)
-    assert cache.num_pooled([k.block_hash for k in keys]) == 1
+
+
+def test_one_load_takes_a_run_from_each_tier_into_exact_blocks(tmp_path):
+    """Blocks 0-1 from host RAM (gathered out of its slab), block 2 from disk (decoded): all
+    three land in the pool, the first run's blocks held while the second is placed."""
+    cache = KVCache(DESC, 6, tiers=TierConfig(host_bytes=1 << 20, disk_dir=str(tmp_path)))
+    fill(cache.storage, seed=1)
+    reference = filled_storage(num_blocks=6, seed=1)
+    keys = cache.hasher.keys(TOKENS)
+    ids = write_chain(cache, keys)
+    cache.pool.drop_cached()
+    for t in cache.storage.buffers.tensors.values():
+        t.zero_()
+    host, disk = cache.tiers.tier("host"), cache.tiers.tier("disk")
+    host.remove(keys[2].block_hash)
+    assert cache.held(keys) == 3
+    placed = [cache.pool.cached_block(k.block_hash) for k in keys]
+    assert len(set(placed)) == 3 and None not in placed
+    assert all(same_block(reference, i, cache.storage, b) for i, b in zip(ids, placed, strict=True))
+    assert (host.stats.hit_tokens, disk.stats.hit_tokens) == (8, 4)
+    assert cache.pool.num_free == 6  # nothing left referenced
 
 
 def test_an_import_that_evicts_a_cached_block_writes_it_down_first():

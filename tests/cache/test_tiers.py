@@ -1,15 +1,23 @@
-"""Each tier: capacity, its own LRU (exact order), faults. Entries are opaque bytes here."""
+"""Each tier: capacity, its own LRU (exact order), faults. Entries are opaque bytes here, and
+blocks of tensors in the host tier's slots."""
 
 import time
 
 import pytest
+import torch
 
+from kvabi.abi.buffers import CacheBuffers, allocate
+from kvabi.abi.descriptor import ATTN, LayerSpec, ModelSpec
+from kvabi.abi.presets import preset_descriptor
+from kvabi.cache.block_codec import narrow_blocks
+from kvabi.cache.block_hasher import BlockKey
 from kvabi.cache.disk_tier import DiskTier
 from kvabi.cache.host_tier import HostTier
 from kvabi.cache.redis_tier import RedisTier
 from tests.cache.redis_server import redis_server  # noqa: F401 - a fixture
 
 DIGEST_A, DIGEST_B = "a" * 32, "b" * 32
+MODEL = ModelSpec((LayerSpec(ATTN, 2, 8, 8),) * 2, "tiny")
 
 
 def h(i: int) -> bytes:
@@ -28,6 +36,39 @@ def test_host_tier_keeps_the_most_recent_entries_within_capacity():
     tier.remove(h(2))
     assert (tier.num_bytes, tier.num_blocks) == (200, 2)
     assert (tier.stats.writes, tier.stats.evictions, tier.stats.write_bytes) == (4, 1, 400)
+
+
+def test_host_tier_keeps_blocks_in_slots_beside_bytes_within_one_capacity():
+    """Blocks go into slab slots (one copy per buffer); `load_blocks` hands out the slots of
+    the leading run it holds; bytes entries share the capacity and the LRU."""
+    desc = preset_descriptor("vllm-flash-attn", MODEL, block_size=2, dtype="f32")
+    blocks = CacheBuffers(desc, {k: torch.randn(t.shape) for k, t in allocate(desc, 4).items()})
+    block_bytes = blocks.num_bytes // 4
+    tier = HostTier(3 * block_bytes)
+    keys = [BlockKey(h(i), (i, i)) for i in range(4)]
+    tier.put_blocks(blocks, keys)  # 4 new blocks, 3 slots: as an LRU, 0 came and went
+    assert tier.lru_order() == [h(1), h(2), h(3)]
+    assert (tier.stats.writes, tier.stats.evictions) == (4, 1)
+    assert tier.get_many([h(1)]) == [None]  # kept as tensors: read by load_blocks
+    runs = []
+    place = lambda cache, slots, run: runs.append(  # noqa: E731
+        (cache.tensors["0"][:, slots].clone(), [k.block_hash for k in run])
+    )
+    assert tier.load_blocks([keys[2], keys[1], keys[0], keys[3]], MODEL, place) == 2
+    ((got, hashes),) = runs
+    assert hashes == [h(2), h(1)] and torch.equal(got, blocks.tensors["0"][:, [2, 1]])
+    tier.put(h(7), bytes(block_bytes // 2))  # bytes: the least recent block (3) goes
+    assert tier.lru_order() == [h(2), h(1), h(7)]
+    assert tier.num_bytes == 2 * block_bytes + block_bytes // 2
+    tier.put_blocks(narrow_blocks(blocks, 0, 1), keys[:1])  # a slot, not bytes: 2 goes too
+    assert tier.lru_order() == [h(1), h(7), h(0)]
+    runs.clear()
+    assert tier.load_blocks([keys[0]], MODEL, place) == 1
+    assert torch.equal(runs[0][0], blocks.tensors["0"][:, [0]])
+    other = ModelSpec(MODEL.layers, "other")
+    assert tier.load_blocks([keys[1]], other, place) == 0  # another model's: refused, removed
+    assert tier.stats.corrupt == 1 and tier.contains_many([h(1)]) == [False]
+    assert (tier.stats.writes, tier.stats.evictions) == (6, 3)
 
 
 def test_disk_tier_survives_a_restart_with_its_lru_order(tmp_path):
