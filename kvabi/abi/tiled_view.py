@@ -90,24 +90,40 @@ def scatter(
     view.split[view.slot_index(block_ids, slots)] = parts
 
 
+MAX_RUNS = 16  # more runs of consecutive blocks than this: one index op instead of slices
+
+
 def gather_blocks(view: CanonicalView, table: torch.Tensor) -> torch.Tensor:
-    """The stored content of whole blocks `table`, in order: `[len(table) * N, H, C]`."""
+    """The stored content of whole blocks `table`, in order: `[len(table) * N, H, C]` (a view
+    where the blocks are one run of a contiguous view, else a copy)."""
     blocks, slots, heads, width = view.shape
-    if isinstance(view, torch.Tensor):
-        return view[table].reshape(-1, heads, width)
-    return view.split[table].reshape(-1, heads, width)
+    stored = view if isinstance(view, torch.Tensor) else view.split
+    runs = _runs(table.tolist())
+    if len(runs) <= MAX_RUNS:  # slices: no index kernel
+        parts = [stored[r.start : r.stop] for r in runs]
+        whole = parts[0] if len(parts) == 1 else torch.cat(parts)
+    else:
+        whole = stored[table]
+    return whole.reshape(-1, heads, width)
 
 
 def scatter_blocks(view: CanonicalView, table: torch.Tensor, values: torch.Tensor) -> None:
-    """Store `values` `[len(table) * N, H, C]` into whole blocks `table`, in place."""
+    """Store `values` `[len(table) * N, H, C]` into whole blocks `table`, in place: a strided
+    copy per run of consecutive blocks (PyTorch's index_put moves 16-bit elements about ten
+    times slower), one index_put when the runs are many."""
     if isinstance(view, torch.Tensor):
-        view[table] = values.reshape(len(table), *view.shape[1:]).to(view.dtype)
-        return
-    parts = values.reshape(len(table), *view.n_parts, *view.h_parts, *view.c_parts)
+        stored, parts = view, values.reshape(len(table), *view.shape[1:])
+    else:
+        stored = view.split
+        parts = values.reshape(len(table), *view.n_parts, *view.h_parts, *view.c_parts)
     parts = parts.to(view.dtype)
+    runs = _runs(table.tolist())
+    if len(runs) > MAX_RUNS:
+        stored[table] = parts
+        return
     start = 0
-    for run in _runs(table.tolist()):  # a strided copy per run of consecutive blocks:
-        view.split[run.start : run.stop].copy_(parts[start : start + len(run)])  # no index_put
+    for run in runs:
+        stored[run.start : run.stop].copy_(parts[start : start + len(run)])
         start += len(run)
 
 

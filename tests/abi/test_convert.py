@@ -96,6 +96,25 @@ def test_gather_scatter_through_block_tables(data):
         assert all(not t[:, i].any() for i in untouched)
 
 
+@pytest.mark.parametrize("max_runs", [0, 1000])  # an index op per plane; a slice per run
+@pytest.mark.parametrize("dst_name", ["vllm-flash-attn", "vllm-cpu-amx", "vllm-cpu-vec"])
+def test_whole_blocks_through_scattered_tables_both_ways(dst_name, max_runs, monkeypatch):
+    from kvabi.abi import tiled_view
+
+    monkeypatch.setattr(tiled_view, "MAX_RUNS", max_runs)
+    model = ModelSpec((LayerSpec(ATTN, 2, 32, 32),) * 2, "m")
+    a = preset_descriptor("vllm-flash-attn-hnd", model, block_size=16, dtype="bf16")
+    b = preset_descriptor(dst_name, model, block_size=32, dtype="bf16")
+    a_ids, b_ids = [9, 2, 7, 0, 5, 3, 11, 1], [6, 0, 4, 2]  # 128 tokens, no two consecutive
+    src = _filled(a, 12)
+    pool = CacheBuffers.empty(b, 8, "zeros")
+    convert(src, b, num_tokens=128, src_block_ids=a_ids, dst_block_ids=b_ids, out=pool)
+    assert _same_tokens(src, pool, 128, a_ids, b_ids)
+    back = CacheBuffers.empty(a, 12, "zeros")
+    convert(pool, a, num_tokens=128, src_block_ids=b_ids, dst_block_ids=a_ids, out=back)
+    assert _same_tokens(src, back, 128, a_ids, a_ids)
+
+
 @pytest.mark.parametrize("m, n", [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4)])
 def test_tp_reshard_m_to_n_with_per_layer_heads(m, n):
     model = ModelSpec((LayerSpec(ATTN, 4, 16, 16), LayerSpec(ATTN, 8, 8, 8)), "m")
