@@ -6,7 +6,8 @@ It owns the block pool (ids, ref counts, the index of cached blocks by hash), th
 block ids:
 - `hasher`: a prompt's block hashes and keys (the one root rule: model digest + cache_salt);
 - `held`: how many leading blocks of a prompt the cache holds: the pool's run, extended by
-  loading the run after it from the tiers;
+  loading the run after it from the tiers (`start_load` / `finish_load`: the same, with reads
+  below host RAM off the step thread, kvabi/cache/tier_loader.py);
 - `export` / `export_layer`: blocks as `CacheBuffers` with their hashes and tokens;
 - `import_blocks`: verified blocks placed into the pool as cached blocks, so the next request
   with that prefix hits them.
@@ -48,6 +49,7 @@ from kvabi.cache.group_blocks import (
 )
 from kvabi.cache.kv_storage import KVStorage
 from kvabi.cache.tier_config import TierConfig
+from kvabi.cache.tier_loader import PendingLoad, TierLoader
 from kvabi.cache.tiered_cache import TieredCache
 
 
@@ -102,6 +104,9 @@ class KVCache:
         ]
         self.pool = self.pools[0]
         self.stats = CacheStats()
+        below_ram = self.tiers is not None and any(not t.holds_blocks for t in self.tiers.tiers)
+        # reads below host RAM off the step thread (one block group: the others load in place)
+        self.loader = TierLoader(self) if below_ram and self.plan.is_uniform else None
 
     @property
     def num_blocks(self) -> int:
@@ -194,7 +199,7 @@ class KVCache:
         n = self.num_pooled([k.block_hash for k in keys])
         if self.tiers is None or n == len(keys):
             return n
-        pooled = self._pooled_ids([k.block_hash for k in keys[:n]])
+        pooled = self.pooled_ids([k.block_hash for k in keys[:n]])
         room = self.pool.num_free - self.pool.num_free_of(pooled)
         targets: list[int] = []  # placed blocks stay held until the last run is placed
         self.pool.touch(pooled)
@@ -205,6 +210,18 @@ class KVCache:
         finally:
             self.pool.free(pooled + targets)
         return n + loaded
+
+    def start_load(self, keys: Sequence[BlockKey]) -> PendingLoad | None:
+        """`held`, with reads below host RAM on the loader's thread: returns the pending load
+        to `finish_load` once it `is_done` (None: whatever the tiers hold was loaded now)."""
+        if self.loader is None:
+            self.held(keys)
+            return None
+        return self.loader.start(keys)
+
+    def finish_load(self, load: PendingLoad) -> int:
+        """Place a done load's blocks that still extend the pooled prefix; how many."""
+        return self.loader.place(load)
 
     def export(
         self, token_ids: Sequence[int], cache_salt: str | None, start_token: int = 0
@@ -217,7 +234,7 @@ class KVCache:
         hashes = self.hasher.hashes(token_ids, cache_salt)
         first = start_token // self.block_size
         num_blocks = max(self.num_pooled(hashes) - first, 0)
-        block_ids = self._pooled_ids(hashes[first : first + num_blocks])
+        block_ids = self.pooled_ids(hashes[first : first + num_blocks])
         cache = self.storage.read_blocks(block_ids)  # [num_blocks] blocks, own layout
         tokens = tuple(token_ids[start_token : (first + num_blocks) * self.block_size])
         return KVPayload(start_token, tokens, tuple(hashes[first : first + num_blocks]), cache)
@@ -253,12 +270,12 @@ class KVCache:
         bs, hashes = self.block_size, self.hasher.hashes(token_ids, cache_salt)
         held = self.num_pooled(hashes)
         first, last = payload.start_token // bs, min(payload.end_token // bs, len(hashes))
-        pooled = self._pooled_ids(hashes[:held])
+        pooled = self.pooled_ids(hashes[:held])
         last = min(last, first + self.pool.num_free - self.pool.num_free_of(pooled))
         if payload.start_token % bs or held < first or last <= held:
             return ImportResult(held * bs, 0)
         keys = self.hasher.keys_of(hashes, token_ids, first, last)
-        return ImportResult(last * bs, self._place(pooled, keys, payload.cache))
+        return ImportResult(last * bs, self.place(pooled, keys, payload.cache))
 
     # ---- housekeeping ----
 
@@ -285,6 +302,8 @@ class KVCache:
 
     def close(self) -> None:
         """Finish queued write-downs and release the tiers (their connections and thread)."""
+        if self.loader is not None:
+            self.loader.close()
         for tiers in reversed(self.pool_tiers) if self.tiers is not None else ():
             tiers.close()  # the first pool's, which owns the tiers, last
 
@@ -312,12 +331,12 @@ class KVCache:
 
         return write_down
 
-    def _pooled_ids(self, hashes: Sequence[bytes]) -> list[int]:
+    def pooled_ids(self, hashes: Sequence[bytes]) -> list[int]:
         """The pool blocks still holding any of these hashes, in the given order."""
         found = (self.pool.cached_block(h) for h in hashes)
         return [b for b in found if b is not None]
 
-    def _place(self, pooled: list[int], keys: list[BlockKey], cache: CacheBuffers) -> int:
+    def place(self, pooled: list[int], keys: list[BlockKey], cache: CacheBuffers) -> int:
         """Write `cache`'s first `len(keys)` blocks into new pool blocks indexed under `keys`,
         the prefix blocks `pooled` pinned meanwhile (so allocating cannot evict them); returns
         how many were new. All end up free: cached, or empty when the pool already held that

@@ -106,6 +106,19 @@ class TieredCache:
                 break
         return loaded
 
+    def in_memory(self, keys: Sequence[BlockKey]) -> int:
+        """How many leading blocks of `keys` the tiers in this process's memory hold (the host
+        tier: read at memory speed; a presence check only)."""
+        n = 0
+        for tier in self.tiers:
+            if not tier.holds_blocks:
+                break
+            for held in tier.contains_many([k.block_hash for k in keys[n:]]):
+                if not held:
+                    break
+                n += 1
+        return n
+
     def fetch(self, keys: Sequence[BlockKey], max_blocks: int | None = None) -> CacheBuffers | None:
         """A copy of the verified blocks of the leading run of `keys` some tier holds (see
         `load`), in this cache's entry layout, blocks 0, 1, ...; None when there are none."""

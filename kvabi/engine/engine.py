@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -28,6 +29,7 @@ from kvabi.cache.block_groups import plan_groups
 from kvabi.cache.kv_cache import KVCache
 from kvabi.cache.kv_storage import KVStorage
 from kvabi.cache.tier_config import TierConfig
+from kvabi.cache.tier_loader import PendingLoad
 from kvabi.engine.assistant_draft import AssistantDrafting, window_slack
 from kvabi.engine.fused_decode import FusedDecode
 from kvabi.engine.kv_budget import max_seq_tokens, pool_blocks
@@ -200,6 +202,7 @@ class LLMEngine:
             self.runner.tp = tp  # (rank 0 moves whole blocks to and from them: TPStorage)
             tp.setup(replace(config, num_blocks=self.info.pool_blocks[0], tiers=TierConfig()))
         self.requests: dict[str, list[Sequence]] = {}
+        self._loads: dict[int, tuple[Sequence, PendingLoad]] = {}  # reads below host RAM
         self.num_computed_tokens = 0  # tokens run through the model, ever: progress
         self._ids = itertools.count()
 
@@ -341,6 +344,7 @@ class LLMEngine:
             if copies:
                 storage.copy_blocks([c.src for c in copies], [c.dst for c in copies])
         if not batch.seqs:
+            self._wait_for_loads()
             return []
         self.num_computed_tokens += batch.num_tokens
         drafted = None
@@ -405,17 +409,41 @@ class LLMEngine:
             self.tp.close()
 
     def _promote_waiting(self) -> None:
-        """Load from the lower tiers what the next admissible waiting requests will reuse."""
+        """Load from the lower tiers what the next admissible waiting requests will reuse:
+        from host RAM at once; from below it on the loader's thread, the request waiting
+        until its read is done and placed (kvabi/cache/tier_loader.py)."""
         if self.cache.tiers is None:
             return
+        self._place_loads()
         room = self.config.max_num_seqs - len(self.scheduler.running)
         for seq in self.scheduler.waiting[: max(room, 0)]:
             if not seq.is_promoted:
                 seq.is_promoted = True
                 try:
-                    self.cache.held(self.scheduler.block_keys(seq))
+                    load = self.cache.start_load(self.scheduler.block_keys(seq))
                 except Exception:  # the pool is consistent (promote frees what it pinned)
                     log.exception("loading %s from the lower tiers failed", seq.request_id)
+                    continue
+                if load is not None:
+                    seq.is_loading = True
+                    self._loads[seq.seq_id] = (seq, load)
+
+    def _place_loads(self) -> None:
+        """Place the reads that are done; their requests may be admitted."""
+        for seq_id, (seq, load) in list(self._loads.items()):
+            if load.is_done:
+                del self._loads[seq_id]
+                seq.is_loading = False
+                try:
+                    self.cache.finish_load(load)
+                except Exception:
+                    log.exception("placing %s's blocks from the lower tiers failed", seq.request_id)
+
+    def _wait_for_loads(self) -> None:
+        """Nothing to run but reads under way: wait for the first (not spin on the step)."""
+        if self._loads:
+            futures = [load.future for _, load in self._loads.values()]
+            wait(futures, timeout=0.05, return_when=FIRST_COMPLETED)
 
     def _end_request(self, seqs: list[Sequence]) -> None:
         """A request left; when it was its session's last, demote the session's blocks."""

@@ -107,7 +107,7 @@ class Scheduler:
         self._copies: list[BlockCopy] = []
 
     def add(self, seq: Sequence) -> None:
-        seq.status, seq.is_promoted = SeqStatus.WAITING, False
+        seq.status, seq.is_promoted, seq.is_loading = SeqStatus.WAITING, False, False
         bisect.insort(self.waiting, seq, key=lambda s: s.arrival)
 
     def add_running(self, seq: Sequence) -> None:
@@ -136,13 +136,16 @@ class Scheduler:
                 continue
             scheduled.append(ScheduledSeq(seq, seq.num_computed, n + len(draft), draft))
             budget -= n + len(draft)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if seq.is_loading:
+                continue  # its prefix is on its way up from a lower tier: the next one goes
             hit = self._match(seq)
             n = press_chunk(seq, min(seq.num_tokens - hit.num_cached_tokens, budget))
             if n == 0 or preempted or not self._can_admit(hit, n):
                 break  # admit nothing while memory is short: it would only be preempted again
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             self._admit(seq, hit)
             self._allocate(seq, n)
             self.add_running(seq)

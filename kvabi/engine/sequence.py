@@ -50,13 +50,14 @@ class Sequence:
     is_finish_sent: bool = False
     # Prefix cache (scheduler): the chained hashes of its full blocks, their root (model and
     # cache salt), how many leading blocks are indexed in the pool, whether its lookup was
-    # counted (once, at first admission) and whether the lower tiers were searched since it
-    # last started waiting.
+    # counted (once, at first admission), whether the lower tiers were searched since it
+    # last started waiting and whether a read from them is under way (it waits for it).
     block_hashes: list[bytes] = field(default_factory=list)
     hash_root: bytes | None = None
     num_cached_blocks: int = 0
     is_counted: bool = False
     is_promoted: bool = False
+    is_loading: bool = False
     # Speculative decoding (spec_decode.py): steps left without drafting, and the last wait.
     spec_skip: int = 0
     spec_backoff: int = 0

@@ -81,9 +81,9 @@ def test_a_cache_salt_changes_every_hash_so_tenants_never_share():
 def test_pooled_blocks_follows_the_given_order_and_skips_evicted():
     prefix, root = cache_with_chain(TOKENS)
     hashes = hashes_of(prefix, root, TOKENS)
-    assert prefix._pooled_ids(hashes) == [0, 1] and prefix.num_pooled(hashes) == 2
+    assert prefix.pooled_ids(hashes) == [0, 1] and prefix.num_pooled(hashes) == 2
     prefix.pool.allocate(prefix.pool.num_free - 1)  # evicts block 1 (the tail) first
-    assert prefix._pooled_ids(hashes) == [0] and prefix.num_pooled(hashes) == 1
+    assert prefix.pooled_ids(hashes) == [0] and prefix.num_pooled(hashes) == 1
 
 
 def filled(cache, seed):

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 
 from kvabi.cache.tier_config import TierConfig
 from kvabi.engine.engine import EngineConfig, LLMEngine
+from kvabi.engine.outputs import OutputAccumulator
 from kvabi.engine.sampling_params import SamplingParams
 from kvabi.wire import container_size
 from tests.cache.redis_server import free_port, redis_server  # noqa: F401 - a fixture
@@ -57,6 +59,40 @@ def test_blocks_evicted_to_a_tier_come_back_with_identical_outputs(
     stats = engine.cache_stats()
     assert stats["prefix_hit_tokens"] - before == 20  # 5 full blocks: 3 pooled, 2 loaded
     assert stats[f"tier_{kind}_hit_tokens"] == 8 and stats[f"tier_{kind}_loads"] == 1
+    engine.close()
+
+
+def test_a_read_from_disk_runs_off_the_step_while_others_decode(tmp_path, reference):
+    """A request whose prefix is on disk waits for its read on the loader's thread; the steps
+    go on decoding another request meanwhile; once read, its blocks are placed and it runs
+    with its prefix loaded, its tokens the reference's."""
+    engine = tiny_engine(block_size=4, num_blocks=12, tiers=TierConfig(disk_dir=str(tmp_path)))
+    tokens(engine, P)
+    tokens(engine, Q)  # P's last 3 blocks go to disk
+    engine.flush_tiers()
+    disk, gate = engine.cache.tiers.tier("disk"), threading.Event()
+    read = disk._get_many
+    disk._get_many = lambda hashes: (gate.wait(30), read(hashes))[1]  # a slow disk
+    long = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    other = engine.add_request(list(range(200, 206)), long)
+    acc, done = OutputAccumulator(), {}
+
+    def step() -> list[str]:
+        deltas = engine.step()
+        done.update((o.request_id, o) for o in acc.add(deltas))
+        return [d.request_id for d in deltas]
+
+    step()  # the other request's prefill
+    rid = engine.add_request(P, GREEDY)
+    assert [step() for _ in range(5)] == [[other]] * 5  # it decodes while P's read waits
+    (seq,) = engine.requests[rid]
+    assert seq.is_loading and seq.num_computed == 0
+    gate.set()
+    while engine.has_unfinished():
+        step()
+    assert done[rid].outputs[0].token_ids == reference[tuple(P)]
+    stats = engine.cache_stats()
+    assert stats["tier_disk_hit_tokens"] == 8 and stats["tier_disk_loads"] == 1
     engine.close()
 
 
