@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TypeVar
 
+import numpy as np
+
 log = logging.getLogger("kvabi.cache")
 T = TypeVar("T")
 
@@ -101,6 +103,22 @@ class KVTier(ABC):
         """Each hash's entry (unverified bytes) or None; found entries become most recent."""
         absent: list[bytes | None] = [None] * len(block_hashes)
         return self._guard(lambda: self._get_many(block_hashes), absent) if absent else []
+
+    def read_rows(self, block_hashes: Sequence[bytes], rows: np.ndarray) -> int:
+        """Read the leading entries of `block_hashes` that are exactly `rows.shape[1]` bytes
+        long into the rows of `rows` (unverified; their LRU positions refreshed); how many."""
+        return self._guard(lambda: self._read_rows(block_hashes, rows), 0) if block_hashes else 0
+
+    def _read_rows(self, block_hashes: Sequence[bytes], rows: np.ndarray) -> int:
+        """A tier that reads into memory of its own copies each entry over (Redis); the disk
+        tier reads straight into the rows."""
+        n = 0
+        for entry in self._get_many(block_hashes[: len(rows)]):
+            if entry is None or len(entry) != rows.shape[1]:
+                break
+            rows[n] = np.frombuffer(entry, dtype=np.uint8)
+            n += 1
+        return n
 
     def put(self, block_hash: bytes, entry: bytes) -> None:
         """Store an entry (a no-op when present), evicting the least recent to fit."""

@@ -20,6 +20,8 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from kvabi.abi.buffers import CacheBuffers
 from kvabi.abi.convert import convert
 from kvabi.abi.descriptor import Descriptor
@@ -30,6 +32,7 @@ from kvabi.cache.kv_storage import KVStorage
 from kvabi.cache.tier import KVTier
 from kvabi.cache.tier_config import TierConfig
 from kvabi.cache.tier_writer import TierWriter
+from kvabi.wire.entries import entry_shape, read_rows
 
 log = logging.getLogger("kvabi.cache")
 Plan = list[tuple[KVTier, BlockKey]]
@@ -191,7 +194,17 @@ class TieredCache:
         """Read `run`'s entries from `tier` (one round trip), verify the leading ones in bulk
         and hand them to `place` (an entry the bulk reader stops at: decoded on its own, refused
         with its reason or converted); how many."""
-        entries, i = tier.get_many([k.block_hash for k in run]), 0
+        hashes, i = [k.block_hash for k in run], 0
+        shape = entry_shape(self.desc)
+        if shape is not None:  # read into one array, verified there: the blocks are views of it
+            rows = np.empty((len(run), shape.size), dtype=np.uint8)
+            k = tier.read_rows(hashes, rows)
+            i, cache = read_rows(shape, rows[:k], [key.token_ids for key in run], hashes)
+            if i:
+                place(cache, None, run[:i])
+            if i == len(run):
+                return i
+        entries = [None] * i + tier.get_many(hashes[i:])
         while i < len(run):
             n, cache = self.codec.decode_many(entries[i:], run[i:])
             if not n:

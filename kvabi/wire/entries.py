@@ -158,10 +158,24 @@ def read_entries(
     tokens and hash, and their blocks (copied out, the B axis over the entries; None for
     none). Stops at the first it cannot vouch for (absent, damaged, another layout)."""
     n = 0
-    for entry, ids, block_hash in zip(entries, token_ids, block_hashes, strict=False):
+    for entry in entries[: len(block_hashes)]:
         if entry is None or len(entry) != shape.size:
             break
-        raw = np.frombuffer(entry, dtype=np.uint8)
+        n += 1
+    rows = np.empty((n, shape.size), dtype=np.uint8)
+    for i in range(n):
+        rows[i] = np.frombuffer(entries[i], dtype=np.uint8)
+    return read_rows(shape, rows, token_ids, block_hashes)
+
+
+def read_rows(
+    shape: EntryShape, rows: np.ndarray, token_ids: Sequence[Sequence[int]],
+    block_hashes: Sequence[bytes],
+) -> tuple[int, CacheBuffers | None]:  # fmt: skip
+    """`read_entries` of entries already in the rows of `rows` (`[n, shape.size]` bytes, read
+    there by the tier): their blocks are views of `rows`."""
+    n = 0
+    for raw, ids, block_hash in zip(rows, token_ids, block_hashes, strict=False):
         if not np.array_equal(raw[shape.fixed], shape.template[shape.fixed]):
             break
         if bytes(raw[shape.hashes_at : shape.meta_sum_at]) != block_hash:
@@ -174,10 +188,7 @@ def read_entries(
         n += 1
     if not n:
         return 0, None
-    out = np.empty((n, shape.size), dtype=np.uint8)
-    for i in range(n):
-        out[i] = np.frombuffer(entries[i], dtype=np.uint8)
-    return n, CacheBuffers(shape.desc, _buffer_views(shape, out))
+    return n, CacheBuffers(shape.desc, _buffer_views(shape, rows[:n]))
 
 
 def _checksums(shape: EntryShape, raw: np.ndarray) -> np.ndarray:

@@ -3,6 +3,7 @@ blocks of tensors in the host tier's slots."""
 
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -93,6 +94,17 @@ def test_disk_tier_keeps_models_apart_and_clears_interrupted_writes(tmp_path):
     again = DiskTier(tmp_path, 1000, DIGEST_A)
     assert again.get_many([h(1)]) == [b"model a"]
     assert sorted(p.name for p in again.dir.iterdir()) == [f"{h(1).hex()}.kvabi", "notes.txt"]
+
+
+def test_disk_rows_are_read_in_place_up_to_the_first_other_size_or_miss(tmp_path):
+    tier = DiskTier(tmp_path, 1000, DIGEST_A)
+    for i, size in enumerate([8, 8, 9, 8]):
+        tier.put(h(i), bytes([i]) * size)
+    rows = np.zeros((4, 8), dtype=np.uint8)
+    assert tier.read_rows([h(0), h(1), h(2), h(3)], rows) == 2  # entry 2 is 9 bytes
+    assert rows[:2].tolist() == [[0] * 8, [1] * 8] and not rows[2:].any()
+    assert tier.read_rows([h(3), h(7), h(0)], rows) == 1  # h(7): a miss
+    assert tier.read_rows([h(1)], rows[:0]) == 0  # no room: nothing read
 
 
 def test_a_disk_entry_deleted_behind_the_tiers_back_is_a_miss(tmp_path):

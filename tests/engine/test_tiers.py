@@ -71,8 +71,9 @@ def test_a_read_from_disk_runs_off_the_step_while_others_decode(tmp_path, refere
     tokens(engine, Q)  # P's last 3 blocks go to disk
     engine.flush_tiers()
     disk, gate = engine.cache.tiers.tier("disk"), threading.Event()
-    read = disk._get_many
-    disk._get_many = lambda hashes: (gate.wait(30), read(hashes))[1]  # a slow disk
+    read, read_rows = disk._get_many, disk._read_rows  # a slow disk, either way it is read
+    disk._get_many = lambda hashes: (gate.wait(30), read(hashes))[1]
+    disk._read_rows = lambda hashes, rows: (gate.wait(30), read_rows(hashes, rows))[1]
     long = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     other = engine.add_request(list(range(200, 206)), long)
     acc, done = OutputAccumulator(), {}
