@@ -16,10 +16,17 @@ from collections.abc import Sequence
 import torch
 
 from kvabi.abi.buffers import CacheBuffers, buffer_specs
+from kvabi.abi.convert import convert
 from kvabi.abi.descriptor import Descriptor
 from kvabi.cache.block_hasher import BlockKey
 from kvabi.wire import FormatError, container_bytes, read_container
-from kvabi.wire.entries import entry_shape, read_entries, write_entries
+from kvabi.wire.entries import (
+    entry_rows,
+    entry_shape,
+    read_entries,
+    seal_entries,
+    write_entries,
+)
 
 
 class BlockCodec:
@@ -40,6 +47,22 @@ class BlockCodec:
         return write_entries(
             shape, blocks, [k.token_ids for k in keys], [k.block_hash for k in keys]
         )
+
+    def encode_from(
+        self, cache: CacheBuffers, block_ids: Sequence[int], keys: Sequence[BlockKey]
+    ) -> tuple[list[bytes], int]:
+        """The entries of `keys`' blocks, read out of `cache` (any layout and block size of
+        the model) through its `block_ids`, converted straight into the entries where their
+        layout allows; and the K/V bytes they hold."""
+        n = len(keys) * self.desc.layout.block_size
+        shape = entry_shape(self.desc) if len(keys) > 1 else None
+        if shape is None:
+            blocks = convert(cache, self.desc, num_tokens=n, src_block_ids=block_ids)
+            return self.encode_many(blocks, keys), blocks.num_bytes
+        rows, blocks = entry_rows(shape, len(keys))
+        convert(cache, self.desc, num_tokens=n, src_block_ids=block_ids, out=blocks)
+        ids, hashes = [k.token_ids for k in keys], [k.block_hash for k in keys]
+        return seal_entries(shape, rows, ids, hashes), blocks.num_bytes
 
     def decode_many(
         self, entries: Sequence[bytes | None], keys: Sequence[BlockKey]

@@ -37,7 +37,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvabi.abi.buffers import CacheBuffers
-from kvabi.abi.convert import convert
 from kvabi.abi.descriptor import Descriptor
 from kvabi.cache.block_codec import BlockCodec, narrow_blocks
 from kvabi.cache.block_hasher import BlockHasher, BlockKey
@@ -252,15 +251,11 @@ class KvabiConnector(KVConnectorBase_V1):
         for save in meta.saves:
             start = time.perf_counter()
             check_block_ids(save.block_ids)
-            num_tokens = len(save.block_ids) * self.block_size
-            blocks = convert(
-                self._cache, self.store, num_tokens=num_tokens, src_block_ids=save.block_ids
-            )
-            entries = self.codec.encode_many(blocks, save.keys)
+            entries, num_bytes = self.codec.encode_from(self._cache, save.block_ids, save.keys)
             self._encoded += [(k.block_hash, e) for k, e in zip(save.keys, entries, strict=True)]
             self.stats.save_s += time.perf_counter() - start
             self.stats.num_saved += len(save.keys)
-            self.stats.bytes_saved += blocks.num_bytes
+            self.stats.bytes_saved += num_bytes
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if not self._encoded:

@@ -126,28 +126,46 @@ def write_entries(
 ) -> list[bytes]:  # fmt: skip
     """The entries of `blocks`' first `len(block_hashes)` blocks (of `shape.desc`), block i
     under `token_ids[i]` and `block_hashes[i]`."""
-    n = len(block_hashes)
     if blocks.desc != shape.desc:
         raise ValueError("write_entries: the blocks are not of the shape's descriptor")
+    n = len(block_hashes)
+    rows, views = entry_rows(shape, n)
+    for spec in buffer_specs(shape.desc, 1):
+        views.tensors[spec.key].copy_(blocks.tensors[spec.key].narrow(spec.dim("B"), 0, n))
+    return seal_entries(shape, rows, token_ids, block_hashes)
+
+
+def entry_rows(shape: EntryShape, n: int) -> tuple[np.ndarray, CacheBuffers]:
+    """Room for `n` entries, and their blocks as views into it (B over the entries), for a
+    copy or a conversion to write the blocks into before `seal_entries`."""
+    rows = np.empty((n, shape.size), dtype=np.uint8)
+    return rows, CacheBuffers(shape.desc, _buffer_views(shape, rows))
+
+
+def seal_entries(
+    shape: EntryShape, rows: np.ndarray, token_ids: Sequence[Sequence[int]],
+    block_hashes: Sequence[bytes],
+) -> list[bytes]:  # fmt: skip
+    """The entries whose blocks were written into `rows` (`entry_rows`), block i under
+    `token_ids[i]` and `block_hashes[i]`: every other field written, checksums last."""
+    n = len(block_hashes)
+    if len(rows) != n or len(token_ids) != n:
+        raise ValueError(f"seal_entries: {len(rows)} rows, {len(token_ids)} token runs, {n} hashes")
     if any(len(t) != shape.block_size for t in token_ids) or any(
         len(h) != HASH_BYTES for h in block_hashes
     ):
-        raise ValueError(f"write_entries: {shape.block_size} tokens and a 32-byte hash per block")
-    out = np.empty((n, shape.size), dtype=np.uint8)
-    out[:] = shape.template
+        raise ValueError(f"seal_entries: {shape.block_size} tokens and a 32-byte hash per block")
+    rows[:, shape.fixed] = shape.template[shape.fixed]
     ids = np.asarray(token_ids, dtype="<u4").reshape(n, -1).view(np.uint8)
-    out[:, shape.tokens_at : shape.hashes_at] = ids
-    out[:, shape.hashes_at : shape.meta_sum_at] = np.frombuffer(
+    rows[:, shape.tokens_at : shape.hashes_at] = ids
+    rows[:, shape.hashes_at : shape.meta_sum_at] = np.frombuffer(
         b"".join(block_hashes), dtype=np.uint8
     ).reshape(n, HASH_BYTES)
-    views = _buffer_views(shape, out)
-    for spec in buffer_specs(shape.desc, 1):
-        views[spec.key].copy_(blocks.tensors[spec.key].narrow(spec.dim("B"), 0, n))
     sums = np.empty((n, len(shape.sections) + 2), dtype="<u8")
     for i in range(n):
-        sums[i] = _checksums(shape, out[i])
-    out[:, shape.sums] = sums.view(np.uint8).reshape(n, -1, CHECKSUM_BYTES)
-    return [row.tobytes() for row in out]
+        sums[i] = _checksums(shape, rows[i])
+    rows[:, shape.sums] = sums.view(np.uint8).reshape(n, -1, CHECKSUM_BYTES)
+    return [row.tobytes() for row in rows]
 
 
 def read_entries(

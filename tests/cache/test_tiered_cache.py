@@ -228,3 +228,22 @@ def test_an_import_that_evicts_a_cached_block_writes_it_down_first():
     assert back.held(keys) == 3
     blocks = [back.pool.cached_block(k.block_hash) for k in keys]
     assert all(same_block(reference, i, back.storage, b) for i, b in enumerate(blocks))
+
+
+def test_entries_converted_straight_out_of_another_layout_are_the_encoders_bytes():
+    """`encode_from` (the vLLM connector's save): vLLM's CPU blocks of 8 tokens, through their
+    block ids, converted into the entries themselves: the bytes of converting, then encoding."""
+    from kvabi.abi.buffers import CacheBuffers
+    from kvabi.abi.convert import convert
+
+    vec = preset_descriptor("vllm-cpu-vec", MODEL, block_size=8, dtype="f32")
+    gen = torch.Generator().manual_seed(5)
+    src = CacheBuffers.empty(vec, 4)
+    for t in src.tensors.values():
+        t.copy_(torch.randn(t.shape, generator=gen))
+    keys = [BlockKey(bytes([i + 1]) * 32, tuple(range(4 * i, 4 * i + 4))) for i in range(4)]
+    codec = BlockCodec(DESC)
+    entries, num_bytes = codec.encode_from(src, [3, 1], keys)
+    blocks = convert(src, DESC, num_tokens=16, src_block_ids=[3, 1])
+    assert entries == [codec.encode(blocks, i, k) for i, k in enumerate(keys)]
+    assert num_bytes == blocks.num_bytes
