@@ -23,6 +23,7 @@ from kvabi.abi.rope import permute_pairing
 from kvabi.abi.sidecar import copy_sidecars
 from kvabi.abi.tiled_view import (
     CanonicalView,
+    block_runs,
     gather,
     gather_blocks,
     scatter,
@@ -38,9 +39,10 @@ class SlotMap:
     fill whole blocks of a paged cache, `table` names those blocks in order (then whole blocks
     move at once)."""
 
-    block_ids: torch.Tensor  # [num_tokens] int64
-    slots: torch.Tensor  # [num_tokens] int64
+    block_ids: torch.Tensor | None  # [num_tokens] int64 (None: whole blocks, `table`)
+    slots: torch.Tensor | None  # [num_tokens] int64
     table: torch.Tensor | None = None  # [num_tokens // block_size] int64
+    runs: list[range] | None = None  # `table`'s runs of consecutive blocks
 
     @classmethod
     def build(
@@ -64,19 +66,20 @@ class SlotMap:
             return cls(torch.zeros_like(t), t)
         bs = layout.block_size * rows // tokens
         table = block_table_for(layout, num_tokens, block_table, num_blocks)
-        whole = num_tokens % layout.block_size == 0 and len(table) * bs == num_rows
-        return cls(table[t // bs], t % bs, table if whole else None)
+        if num_tokens % layout.block_size == 0 and len(table) * bs == num_rows:
+            return cls(None, None, table, block_runs(table))  # whole blocks move at once
+        return cls(table[t // bs], t % bs)
 
     def gather(self, view: CanonicalView) -> torch.Tensor:
         """The stored content of the mapped tokens: `[T, H, C]` (a copy)."""
         if self.table is not None:
-            return gather_blocks(view, self.table)
+            return gather_blocks(view, self.table, self.runs)
         return gather(view, self.block_ids, self.slots)
 
     def scatter(self, view: CanonicalView, values: torch.Tensor) -> None:
         """Store `values` `[T, H, C]` at the mapped tokens, in place."""
         if self.table is not None:
-            scatter_blocks(view, self.table, values)
+            scatter_blocks(view, self.table, values, self.runs)
         else:
             scatter(view, self.block_ids, self.slots, values)
 
@@ -179,6 +182,7 @@ def reshard(
         d_ids = block_table_for(dst_desc.layout, n, dst_block_ids, outs[0].extent)
         copy_blocks(srcs[0], outs[0], s_ids.tolist(), d_ids.tolist())
         return outs
+    maps: dict[tuple[int, int], tuple[SlotMap, SlotMap]] = {}
     for layer_id in owner_layers(src_desc):
         src_views = [group_views(s.desc, s.tensors, layer_id) for s in srcs]
         dst_views = [group_views(o.desc, o.tensors, layer_id) for o in outs]
@@ -196,8 +200,12 @@ def reshard(
         else:
             n = srcs[0].extent * max(src_desc.layout.block_size, 1) if whole else num_tokens
             per = src_desc.model.layers[layer_id].rows_per_token
-            src_map = SlotMap.build(src_desc.layout, n, src_block_ids, srcs[0].extent, per)
-            dst_map = SlotMap.build(dst_desc.layout, n, dst_block_ids, outs[0].extent, per)
+            if per not in maps:  # every layer of one kind maps its tokens alike
+                maps[per] = (
+                    SlotMap.build(src_desc.layout, n, src_block_ids, srcs[0].extent, per),
+                    SlotMap.build(dst_desc.layout, n, dst_block_ids, outs[0].extent, per),
+                )
+            src_map, dst_map = maps[per]
             _copy_tokens(layer_id, srcs, src_views, src_map, outs, dst_views, dst_map)
         copy_sidecars(layer_id, srcs[0], outs, num_tokens, src_block_ids, dst_block_ids)
     return outs

@@ -9,6 +9,7 @@ maps a (block, slot) to its parts. Both kinds are read with `gather` and written
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from math import prod
 
 import torch
@@ -52,17 +53,25 @@ CanonicalView = torch.Tensor | TiledView
 
 def canonical_view(t: torch.Tensor, axes: str) -> CanonicalView:
     """The view `[B, N, H, C]` (unpaged `[1, T, H, C]`) of `t`, whose dims are `axes`' parts."""
-    parts = parse_axes(axes)
-    slot = "N" if "N" in axes else "T"
-    groups = [_dims_of(parts, letter) for letter in (slot, "H", "C")]
-    block = [_dims_of(parts, "B")[0]] if slot == "N" else []
-    view = t.permute(block + [d for g in groups for d in g])
-    if slot == "T":
+    order, groups, is_unpaged = _recipe(axes)
+    view = t.permute(order)
+    if is_unpaged:
         view = view.unsqueeze(0)  # one block of all the tokens
     if all(len(g) == 1 for g in groups):  # no tiles: already [B, N, H, C]
         return view
     n_parts, h_parts, c_parts = (tuple(t.shape[d] for d in g) for g in groups)
     return TiledView(view, n_parts, h_parts, c_parts)
+
+
+@lru_cache(maxsize=1024)
+def _recipe(axes: str) -> tuple[list[int], tuple[tuple[int, ...], ...], bool]:
+    """`canonical_view`'s permutation of `axes`' dims, the dims of the slot, head and content
+    parts, and whether it is unpaged (asked per layer of every conversion: parsed once)."""
+    parts = parse_axes(axes)
+    slot = "N" if "N" in axes else "T"
+    groups = tuple(tuple(_dims_of(parts, letter)) for letter in (slot, "H", "C"))
+    block = [_dims_of(parts, "B")[0]] if slot == "N" else []
+    return block + [d for g in groups for d in g], groups, slot == "T"
 
 
 def _dims_of(parts: tuple[AxisPart, ...], letter: str) -> list[int]:
@@ -93,12 +102,15 @@ def scatter(
 MAX_RUNS = 16  # more runs of consecutive blocks than this: one index op instead of slices
 
 
-def gather_blocks(view: CanonicalView, table: torch.Tensor) -> torch.Tensor:
+def gather_blocks(
+    view: CanonicalView, table: torch.Tensor, runs: list[range] | None = None
+) -> torch.Tensor:
     """The stored content of whole blocks `table`, in order: `[len(table) * N, H, C]` (a view
-    where the blocks are one run of a contiguous view, else a copy)."""
+    where the blocks are one run of a contiguous view, else a copy). `runs`: `table`'s runs
+    of consecutive blocks (`block_runs`), when known."""
     blocks, slots, heads, width = view.shape
     stored = view if isinstance(view, torch.Tensor) else view.split
-    runs = _runs(table.tolist())
+    runs = block_runs(table) if runs is None else runs
     if len(runs) <= MAX_RUNS:  # slices: no index kernel
         parts = [stored[r.start : r.stop] for r in runs]
         whole = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -107,7 +119,10 @@ def gather_blocks(view: CanonicalView, table: torch.Tensor) -> torch.Tensor:
     return whole.reshape(-1, heads, width)
 
 
-def scatter_blocks(view: CanonicalView, table: torch.Tensor, values: torch.Tensor) -> None:
+def scatter_blocks(
+    view: CanonicalView, table: torch.Tensor, values: torch.Tensor,
+    runs: list[range] | None = None,
+) -> None:  # fmt: skip
     """Store `values` `[len(table) * N, H, C]` into whole blocks `table`, in place: a strided
     copy per run of consecutive blocks (PyTorch's index_put moves 16-bit elements about ten
     times slower), one index_put when the runs are many."""
@@ -117,7 +132,7 @@ def scatter_blocks(view: CanonicalView, table: torch.Tensor, values: torch.Tenso
         stored = view.split
         parts = values.reshape(len(table), *view.n_parts, *view.h_parts, *view.c_parts)
     parts = parts.to(view.dtype)
-    runs = _runs(table.tolist())
+    runs = block_runs(table) if runs is None else runs
     if len(runs) > MAX_RUNS:
         stored[table] = parts
         return
@@ -127,10 +142,10 @@ def scatter_blocks(view: CanonicalView, table: torch.Tensor, values: torch.Tenso
         start += len(run)
 
 
-def _runs(ids: list[int]) -> list[range]:
-    """`ids` as maximal runs of consecutive integers, in order."""
+def block_runs(table: torch.Tensor) -> list[range]:
+    """A block table as maximal runs of consecutive blocks, in order."""
     runs: list[range] = []
-    for i in ids:
+    for i in table.tolist():
         if runs and runs[-1].stop == i:
             runs[-1] = range(runs[-1].start, i + 1)
         else:
