@@ -191,9 +191,10 @@ class TieredCache:
         return n
 
     def _load_entries(self, tier: KVTier, run: list[BlockKey], place: Place) -> int:
-        """Read `run`'s entries from `tier` (one round trip), verify the leading ones in bulk
-        and hand them to `place` (an entry the bulk reader stops at: decoded on its own, refused
-        with its reason or converted); how many."""
+        """Read `run`'s entries from `tier` into one array (one round trip), verify the leading
+        ones in bulk and hand them to `place`. From an entry the bulk reader stops at, the rest
+        are read again as bytes (a second round trip): that one decoded on its own, refused
+        with its reason or converted, the ones after it in bulk again. How many were placed."""
         hashes, i = [k.block_hash for k in run], 0
         shape = entry_shape(self.desc)
         if shape is not None:  # read into one array, verified there: the blocks are views of it
