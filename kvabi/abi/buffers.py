@@ -134,6 +134,34 @@ def group_views(
 
     The view is a strided tensor, or a `TiledView` when the layout splits N, H or C into tiles
     (docs/ABI.md 3.2); `tiled_view.gather` / `scatter` read and write either."""
+    probe, dim = _extent_at(desc, layer_id)
+    recipe = _group_recipe(desc, layer_id, tensors[probe].shape[dim])
+    out = []
+    for planes, key, selects, interior, axes in recipe:
+        t = tensors[key]
+        for dim, index in selects:
+            t = t.select(dim, index)
+        if interior:
+            t = t.unflatten(-1, interior)
+        out.append((planes, canonical_view(t, axes)))
+    return out
+
+
+@lru_cache(maxsize=4096)
+def _extent_at(desc: Descriptor, layer_id: int) -> tuple[str, int]:
+    """Which buffer of a layer, and which of its dims, holds its extent (B, or T unpaged)."""
+    layers = desc.model.layers
+    layer_id = layers[layer_id].shares if layers[layer_id].kind == SHARED else layer_id
+    spec = next(s for s in layer_buffer_specs(desc, layer_id, 1) if not s.is_sidecar)
+    return spec.key, spec.dim("B" if desc.layout.is_paged else "T")
+
+
+@lru_cache(maxsize=4096)
+def _group_recipe(desc: Descriptor, layer_id: int, extent: int) -> tuple:
+    """How `group_views` cuts a layer's plane groups out of its buffers, worked out once per
+    (descriptor, layer, extent): per group its planes, the buffer's key, the (dim, index)
+    selections (its layer of a cross-layer buffer, its plane of a K axis), the interior's part
+    sizes to unflatten (plane orders) and the axes left."""
     layers = desc.model.layers
     layer_id = layers[layer_id].shares if layers[layer_id].kind == SHARED else layer_id
     layer = layers[layer_id]
@@ -141,23 +169,23 @@ def group_views(
     for spec in layer_buffer_specs(desc, layer_id, 1):
         if spec.is_sidecar:
             continue
-        t, axes = tensors[spec.key], spec.axes
-        extent = t.shape[spec.dim("B" if desc.layout.is_paged else "T")]
+        axes, selects = spec.axes, []
         planes = tuple(p for p in layer.planes if p.name in spec.planes)
         sizes = _sizes(desc, layer, planes, extent, len(spec.layer_ids))
         if "L" in axes:
-            t = t.select(spec.dim("L"), spec.layer_ids.index(layer_id))
+            selects.append((spec.dim("L"), spec.layer_ids.index(layer_id)))
             axes = axes.replace("L", "")
         if "K" not in axes:
-            out.append((planes, canonical_view(t, axes)))
+            out.append((planes, spec.key, tuple(selects), (), axes))
             continue
         for i, plane in enumerate(planes):
-            view = t.select(dim_of(axes, "K"), i)
             own = _plane_order(desc.layout, axes, i).replace("K", "")
+            interior: tuple[int, ...] = ()
             if desc.layout.has_plane_orders:  # [outer axes..., interior] -> its parts
-                view = view.unflatten(-1, part_sizes(own, sizes)[view.dim() - 1 :])
-            out.append(((plane,), canonical_view(view, own)))
-    return out
+                whole = part_sizes(own, sizes)
+                interior = whole[dim_of(axes, "K") :]  # the parts after the K axis
+            out.append(((plane,), spec.key, (*selects, (dim_of(axes, "K"), i)), interior, own))
+    return tuple(out)
 
 
 def _plane_order(lay: Layout, axes: str, plane_index: int) -> str:
