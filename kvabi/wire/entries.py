@@ -231,4 +231,3 @@ def _buffer_views(shape: EntryShape, out: np.ndarray) -> dict[str, torch.Tensor]
         b = spec.dim("B")
         views[spec.key] = cols.view(n, *spec.shape).squeeze(b + 1).movedim(0, b)
     return views
-
