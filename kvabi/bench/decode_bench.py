@@ -82,6 +82,7 @@ def _ran_on(llm: LLM) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "kernels": kernel_status(),
         "amx": bool(kernels is not None and kernels.amx),
+        "gemm": (kernels.gemm if kernels is not None else None) or "oneDNN (torch)",
         "attention_backend": llm.engine.config.attention_backend,
         "fused_decode": llm.engine.runner.fused is not None,
     }

@@ -145,7 +145,7 @@ def _path(kernel: str, why: str | None) -> KernelPath:
 def fused_decode_gap(desc: Descriptor, is_llama: bool) -> str | None:
     """Why the model (`is_llama`: a Llama-family one) in this descriptor gets no whole-layer
     fused decode (`FusedDecode`), judged as the engine does before it looks at the weights, or
-    None: then it gets one where the weights pack for the AMX GEMM (`FusedDecode.gap`)."""
+    None: then it gets one where the weights pack for the packed GEMM (`FusedDecode.gap`)."""
     if not is_llama:
         return "not a Llama-family model"
     if not plan_groups(desc.model).is_uniform:

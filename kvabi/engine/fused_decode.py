@@ -1,4 +1,5 @@
-"""`FusedDecode`: a decode-only step's layers in one C++ call (bf16 on a CPU with AMX).
+"""`FusedDecode`: a decode-only step's layers in one C++ call (bf16 on a CPU with AMX or
+AVX512-BF16).
 
 The per-layer forward (`LlamaModel.hidden_states` with the C++ kernels and packed GEMMs) calls
 about a dozen ops per layer from Python; at decode sizes each op's work is tens of microseconds,
@@ -7,7 +8,7 @@ stay in torch and the layers run in `kvabi_decode_layers` (kvabi/models/cpu_kern
 same ops in the same order with the same kernels, so its output equals the per-layer path's bit
 for bit (tests/engine/test_fused_decode.py).
 
-It applies where every piece it needs is there: bf16 weights packed for the AMX GEMM, a bf16 KV
+It applies where every piece it needs is there: bf16 weights packed for the packed GEMM, a bf16 KV
 pool whose K and V views share strides, and steps with no prefill and no per-layer callback
 (`FusedDecode.build` returns None otherwise, and the runner keeps the per-layer path).
 """
@@ -46,7 +47,7 @@ class FusedDecode:
                 self._contiguous(n.weight)
                 for n in (layer.input_layernorm, layer.post_attention_layernorm)
             ]
-            gemms = [(g.amx, g.bias) for g in (attn.qkv, attn.out, mlp.gate_up, mlp.down)]
+            gemms = [(g.tiles, g.bias) for g in (attn.qkv, attn.out, mlp.gate_up, mlp.down)]
             self.layers[i] = DecodeLayer(
                 *map(_ptr, norms), *(_ptr(t) for pair in gemms for t in pair),
                 storage.k[i].data_ptr(), storage.v[i].data_ptr(),
@@ -74,8 +75,8 @@ class FusedDecode:
         or None."""
         if kernels is None:
             return no_kernels()
-        if not kernels.amx:
-            return "no AMX"
+        if kernels.gemm is None:
+            return "no packed GEMM (the CPU has neither AMX nor AVX512-BF16)"
         return None if dtype == torch.bfloat16 else "not bf16"
 
     @staticmethod
@@ -93,8 +94,8 @@ class FusedDecode:
             g for layer in model.layers
             for g in (layer.self_attn.qkv, layer.self_attn.out, layer.mlp.gate_up, layer.mlp.down)
         ]  # fmt: skip
-        if any(g is None or g.amx is None for g in gemms):
-            return "weights not packed for the AMX GEMM"
+        if any(g is None or g.tiles is None for g in gemms):
+            return "weights not packed for the packed GEMM"
         cfg = model.config  # the sizes kvabi_decode_layers takes (it checks them again)
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         sizes = (cfg.hidden_size, q_size, cfg.intermediate_size)

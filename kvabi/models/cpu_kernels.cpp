@@ -403,6 +403,88 @@ void rope(T* x, int64_t token_stride, int64_t tokens, int64_t heads, int64_t hea
   }
 }
 
+// ---- The packed bf16 GEMM without AMX: AVX512-BF16 dot products (AMD Zen 4, Intel without AMX) ----
+// y [m, n] = x [m, k] @ W^T (+ bias) over the same packed weight as the AMX GEMM (amx_pack:
+// per 16 columns, per 32 k, [16 k pairs][16 columns][2]): a 64-byte row of that tile is one
+// k pair of 16 columns, the operand of one vdpbf16ps against the row's k pair broadcast. Sums in
+// float32, the bias added in float32, one rounding to bf16 (as the AMX GEMM and oneDNN do; the
+// order of the float32 sums differs, so a rare element lands one bf16 ulp from theirs). Each
+// thread takes whole pairs of column tiles and runs every block of kDotRows rows of x through them,
+// so a pair's weights come from memory once per call and from cache after (decode sizes only
+// stream weights).
+#if defined(__AVX512BF16__)
+#ifndef KVABI_DOT_ROWS
+#define KVABI_DOT_ROWS 8
+#endif
+#ifndef KVABI_DOT_TILES
+#define KVABI_DOT_TILES 2
+#endif
+// rows per pass and column tiles per thread's item: R x T accumulators, T weights, 1 broadcast
+constexpr int kDotRows = KVABI_DOT_ROWS, kDotTiles = KVABI_DOT_TILES;
+
+inline void dot_emit(__m512 acc, const uint16_t* bias, uint16_t* y) {
+  if (bias != nullptr) acc = _mm512_add_ps(acc, bf16x16_to_f32(bias));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), (__m256i)_mm512_cvtneps_pbh(acc));
+}
+
+// R rows of x through T column tiles (tile t's weights at b + t * k_pairs * 32).
+template <int R, int T>
+void dot_rows(const uint16_t* x, int64_t ldx, const uint16_t* b, int64_t k_pairs,
+              const uint16_t* bias, uint16_t* y, int64_t ldy) {
+  __m512 acc[T][R];
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < k_pairs; ++kp) {
+    __m512bh w[T];
+    for (int t = 0; t < T; ++t) w[t] = (__m512bh)_mm512_loadu_si512(b + (t * k_pairs + kp) * 32);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * ldx + 2 * kp, sizeof pair);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      for (int t = 0; t < T; ++t) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], a, w[t]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t)
+      dot_emit(acc[t][r], bias == nullptr ? nullptr : bias + t * 16, y + r * ldy + t * 16);
+}
+
+template <int T, int... R>
+void dot_block(int rows, std::integer_sequence<int, R...>, const uint16_t* x, int64_t ldx,
+               const uint16_t* b, int64_t k_pairs, const uint16_t* bias, uint16_t* y,
+               int64_t ldy) {
+  ((rows == R + 1 ? dot_rows<R + 1, T>(x, ldx, b, k_pairs, bias, y, ldy) : void()), ...);
+}
+
+template <int... T>
+void dot_tiles(int tiles, int rows, std::integer_sequence<int, T...>, const uint16_t* x,
+               int64_t ldx, const uint16_t* b, int64_t k_pairs, const uint16_t* bias,
+               uint16_t* y, int64_t ldy) {
+  ((tiles == T + 1 ? dot_block<T + 1>(rows, std::make_integer_sequence<int, kDotRows>{}, x,
+                                      ldx, b, k_pairs, bias, y, ldy)
+                   : void()),
+   ...);
+}
+
+void dot_linear(const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_t* bias,
+                uint16_t* y, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads) {
+  const int64_t col_tiles = n / 16, k_pairs = k / 2;
+  const int64_t items = (col_tiles + kDotTiles - 1) / kDotTiles;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (items > 1)
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t j = item * kDotTiles;
+    const int tiles = static_cast<int>(std::min<int64_t>(kDotTiles, col_tiles - j));
+    for (int64_t r0 = 0; r0 < m; r0 += kDotRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(m - r0, kDotRows));
+      dot_tiles(tiles, rows, std::make_integer_sequence<int, kDotTiles>{}, x + r0 * ldx, ldx,
+                w + j * k_pairs * 32, k_pairs, bias == nullptr ? nullptr : bias + j * 16,
+                y + r0 * ldy + j * 16, ldy);
+    }
+  }
+}
+#define KVABI_HAVE_PACKED_GEMM 1
+#endif
+
 // ---- bf16 GEMM on AMX tiles: y[m, n] = x[m, k] @ W^T (+ bias) ----
 // W is packed once (`CpuKernels.amx_pack`) into 1 KiB tiles in the order the kernel reads them:
 // [n/16][k/32][16 pairs of k][16 columns of n][2], AMX's "VNNI" B layout, so each thread
@@ -675,7 +757,22 @@ void amx_prefill(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t
   }
 }
 
-// ---- A whole decode step's layers in one call (bf16, AMX) ----
+#endif  // KVABI_HAVE_AMX
+
+// The packed GEMM the process runs: 2 AMX tiles, 1 AVX512-BF16 dot products, 0 none (see
+// kvabi_gemm_init).
+int g_gemm = 0;
+
+#if defined(KVABI_HAVE_PACKED_GEMM)
+inline void linear(const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_t* bias,
+                   uint16_t* y, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads) {
+#if defined(KVABI_HAVE_AMX)
+  if (g_gemm == 2) return amx_linear(x, ldx, w, bias, y, ldy, m, n, k, num_threads);
+#endif
+  dot_linear(x, ldx, w, bias, y, ldy, m, n, k, num_threads);
+}
+
+// ---- A whole decode step's layers in one call (bf16, the packed GEMM) ----
 // The same sequence of operations as LlamaModel's per-layer forward with the kernels and packed
 // GEMMs (kvabi/models/llama.py), each with the same arithmetic and roundings, but without a
 // return to Python between them: that per-op dispatch cost about as much as the step's GEMMs.
@@ -714,7 +811,7 @@ void decode_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeSh
     const DecodeLayer& w = layers[l];
     rms_norm<uint16_t>(x, hidden, nullptr, w.input_norm, h.data(), rows, hidden, d.eps,
                        num_threads);
-    amx_linear(h.data(), hidden, w.qkv, w.qkv_bias, qkv.data(), qkv_size, rows, qkv_size, hidden,
+    linear(h.data(), hidden, w.qkv, w.qkv_bias, qkv.data(), qkv_size, rows, qkv_size, hidden,
                num_threads);
     rope<uint16_t>(qkv.data(), qkv_size, rows, d.num_heads + d.num_kv_heads, d.head_dim, cos, sin,
                    num_threads);
@@ -742,15 +839,15 @@ void decode_layers(const DecodeLayer* layers, int64_t num_layers, const DecodeSh
       attend_all(std::integral_constant<int, 128>{});
     else
       attend_all(std::integral_constant<int, 0>{});
-    amx_linear(attn.data(), q_size, w.o, w.o_bias, proj.data(), hidden, rows, hidden, q_size,
+    linear(attn.data(), q_size, w.o, w.o_bias, proj.data(), hidden, rows, hidden, q_size,
                num_threads);
     // x += attention output; h = norm(x)
     rms_norm<uint16_t>(proj.data(), hidden, x, w.post_norm, h.data(), rows, hidden, d.eps,
                        num_threads);
-    amx_linear(h.data(), hidden, w.gate_up, w.gate_up_bias, gate_up.data(), 2 * inter, rows,
+    linear(h.data(), hidden, w.gate_up, w.gate_up_bias, gate_up.data(), 2 * inter, rows,
                2 * inter, hidden, num_threads);
     silu_and_mul<uint16_t>(gate_up.data(), act.data(), rows, inter, num_threads);
-    amx_linear(act.data(), inter, w.down, w.down_bias, proj.data(), hidden, rows, hidden, inter,
+    linear(act.data(), inter, w.down, w.down_bias, proj.data(), hidden, rows, hidden, inter,
                num_threads);
     for (int64_t i = 0; i < rows * hidden; ++i)  // x += MLP output, rounded as torch's add_
       x[i] = bf16_bits(to_f32(x[i]) + to_f32(proj[i]));
@@ -946,26 +1043,32 @@ int kvabi_rope(int dtype, void* x, int64_t token_stride, int64_t tokens, int64_t
     return -1;
   return 0;
 }
-// 0 where the AMX GEMM can run in this process (built with AMX, and the kernel granted the tile
-// state: Linux asks each process to request it), else -2.
-int kvabi_amx_init() {
+// Chooses the packed GEMM this process runs and returns it: 2 the AMX tiles where built with
+// them, allowed (allow_amx) and granted the tile state (Linux asks each process to request it),
+// else 1 the AVX512-BF16 dot products where built with them, else 0 (none).
+int kvabi_gemm_init(int allow_amx) {
+  g_gemm = 0;
+#if defined(KVABI_HAVE_PACKED_GEMM)
+  g_gemm = 1;
+#endif
 #if defined(KVABI_HAVE_AMX) && defined(__linux__)
   constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0 ? 0 : -2;
-#else
-  return -2;
+  if (allow_amx && syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0) g_gemm = 2;
 #endif
+  (void)allow_amx;
+  return g_gemm;
 }
 
 // bf16 only: x [m, k] (row stride ldx), w packed (see amx_linear), bias [n] or null, y [m, n]
-// (row stride ldy); k % 32 == 0, n % 16 == 0. Returns 0, -1 for bad sizes, -2 without AMX.
-int kvabi_amx_linear(const void* x, int64_t ldx, const void* w, const void* bias, void* y,
-                     int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads) {
+// (row stride ldy); k % 32 == 0, n % 16 == 0. Returns 0, -1 for bad sizes, -2 without a packed
+// GEMM (kvabi_gemm_init).
+int kvabi_packed_linear(const void* x, int64_t ldx, const void* w, const void* bias, void* y,
+                        int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads) {
   if (k % 32 != 0 || n % 16 != 0 || m < 0) return -1;
-#if defined(KVABI_HAVE_AMX)
-  amx_linear(static_cast<const uint16_t*>(x), ldx, static_cast<const uint16_t*>(w),
-             static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), ldy, m, n, k,
-             num_threads);
+#if defined(KVABI_HAVE_PACKED_GEMM)
+  if (g_gemm == 0) return -2;
+  linear(static_cast<const uint16_t*>(x), ldx, static_cast<const uint16_t*>(w),
+         static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), ldy, m, n, k, num_threads);
   return 0;
 #else
   (void)x, (void)ldx, (void)w, (void)bias, (void)y, (void)ldy, (void)num_threads;
@@ -973,13 +1076,14 @@ int kvabi_amx_linear(const void* x, int64_t ldx, const void* w, const void* bias
 #endif
 }
 // The decode step's layers (see decode_layers); layers: num_layers DecodeLayer, shape: one
-// DecodeShape. Returns 0, -1 for sizes the AMX GEMM cannot take, -2 without AMX.
+// DecodeShape. Returns 0, -1 for sizes the packed GEMM cannot take, -2 without one.
 int kvabi_decode_layers(const void* layers, int64_t num_layers, const void* shape, void* x,
                         int64_t rows, const void* cos, const void* sin,
                         const int64_t* slot_blocks, const int64_t* slot_offsets,
                         const int64_t* tables, int64_t table_width, const int64_t* context_lens,
                         int num_threads) {
-#if defined(KVABI_HAVE_AMX)
+#if defined(KVABI_HAVE_PACKED_GEMM)
+  if (g_gemm == 0) return -2;
   const DecodeShape& d = *static_cast<const DecodeShape*>(shape);
   const int64_t q_size = d.num_heads * d.head_dim, kv_size = d.num_kv_heads * d.head_dim;
   if (d.num_kv_heads < 1 || d.hidden % 32 || q_size % 32 || d.intermediate % 32 ||
@@ -1007,6 +1111,7 @@ int kvabi_prefill_attention(const void* q, int64_t q_stride, const void* k, int6
       k_stride % 2)  // K rows are gathered as pairs of bf16
     return -1;
 #if defined(KVABI_HAVE_AMX)
+  if (g_gemm != 2) return -2;
   amx_prefill(static_cast<const uint16_t*>(q), q_stride, static_cast<const uint16_t*>(k),
               k_stride, static_cast<const uint16_t*>(v), v_stride, static_cast<uint16_t*>(out),
               tq, tk, num_heads, num_kv_heads, head_dim, scale, num_threads);

@@ -6,6 +6,12 @@ flags and the CPU's feature flags (`$KVABI_KERNEL_CACHE`, default `~/.cache/kvab
 compiler, a failed build or an unsupported input means the torch path runs instead:
 `cpu_kernels()` returns None and `kernel_status()` says why.
 
+What the build uses is what the CPU has: `-march=native` turns on the AMX tiles (Intel Sapphire
+Rapids and later), the AVX512-BF16 paths (those and AMD Zen 4), or leaves the generic loops,
+which the compiler vectorizes for AVX2 or AVX-512 (`ISA_TARGETS`). `$KVABI_KERNEL_ISA` (or
+`cpu_kernels(isa)`) builds for a narrower target than the CPU's own, to run a path another
+CPU kind would take: `avx2` (x86-64-v3, as a CPU without AVX-512), `avx512-bf16` (no AMX).
+
 OpenMP: torch ships its own `libgomp.so.1` and loads it first; the kernel links against the same
 soname, so the dynamic loader gives it torch's runtime and there is one thread pool, not two.
 """
@@ -24,7 +30,13 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+# The ISA a build targets: its -march flags and the CPU flags it needs to run.
+ISA_TARGETS = {
+    "native": (("-march=native",), ()),
+    "avx512-bf16": (("-march=x86-64-v4", "-mavx512bf16"), ("avx512f", "avx512bw", "avx512_bf16")),
+    "avx2": (("-march=x86-64-v3",), ("avx2", "fma", "f16c")),
+}
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _status: list[str] = ["not built yet"]
 
@@ -59,12 +71,22 @@ def _cpu_flags() -> str:
     return next((line for line in text.splitlines() if line.startswith("flags")), "")
 
 
-def _build() -> Path:
+def isa_gap(isa: str) -> str | None:
+    """Why kernels built for `isa` cannot run on this CPU (an unknown target, a missing CPU
+    flag), or None."""
+    if isa not in ISA_TARGETS:
+        return f"unknown ISA target {isa!r} (one of {', '.join(ISA_TARGETS)})"
+    missing = [f for f in ISA_TARGETS[isa][1] if f not in _cpu_flags().split()]
+    return f"this CPU lacks {', '.join(missing)}" if missing else None
+
+
+def _build(isa: str = "native") -> Path:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise OSError("no C++ compiler (g++/c++) on PATH")
+    flags = (*ISA_TARGETS[isa][0], *FLAGS)
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join((compiler, *FLAGS)).encode() + _cpu_flags().encode()
+        SOURCE.read_bytes() + " ".join((compiler, *flags)).encode() + _cpu_flags().encode()
     ).hexdigest()[:16]
     root = Path(os.environ.get("KVABI_KERNEL_CACHE", Path.home() / ".cache/kvabi/kernels"))
     target = root / key / "cpu_kernels.so"
@@ -73,7 +95,7 @@ def _build() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        cmd = [compiler, *FLAGS, str(SOURCE), "-o", str(built)]
+        cmd = [compiler, *flags, str(SOURCE), "-o", str(built)]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             raise OSError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
@@ -105,6 +127,7 @@ class DecodeShape(ctypes.Structure):
     ] + [("eps", ctypes.c_float)]  # fmt: skip
 
 
+GEMMS = {2: "AMX tiles", 1: "AVX512-BF16 dot products"}  # by kvabi_gemm_init's code
 DECODE_VARIANTS = ("generic loop, head_dim read at run time", "generic loop, head_dim unrolled",
                    "AVX512-BF16 instance")  # by kvabi_paged_decode_variant's code  # fmt: skip
 
@@ -123,7 +146,8 @@ class CpuKernels:
     """The compiled kernels. Each method checks what it can take (`*_supports`); callers keep
     the torch path for anything else. float32 and bfloat16 only."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, isa: str = "native") -> None:
+        self.isa = isa  # the ISA target it was built for (`ISA_TARGETS`)
         i64, ptr, c_int, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
         signatures = {
             "kvabi_paged_decode": [c_int, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr]
@@ -131,7 +155,7 @@ class CpuKernels:
             "kvabi_rms_norm": [c_int, ptr, i64, ptr, ptr, ptr, i64, i64, c_float, c_int],
             "kvabi_silu_and_mul": [c_int, ptr, ptr, i64, i64, c_int],
             "kvabi_rope": [c_int, ptr, i64, i64, i64, i64, ptr, ptr, c_int],
-            "kvabi_amx_linear": [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, c_int],
+            "kvabi_packed_linear": [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, c_int],
             "kvabi_decode_layers": [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr]
             + [c_int],
             "kvabi_prefill_attention": [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, c_int, c_int]
@@ -147,10 +171,13 @@ class CpuKernels:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
             self._fns[name] = fn
-        lib.kvabi_amx_init.restype = ctypes.c_int
-        # The bf16 AMX GEMM: built for this CPU and the tile state granted to this process
-        # ($KVABI_NO_AMX set: not used, oneDNN's GEMM runs instead).
-        self.amx = not os.environ.get("KVABI_NO_AMX") and lib.kvabi_amx_init() == 0
+        lib.kvabi_gemm_init.argtypes, lib.kvabi_gemm_init.restype = [c_int], c_int
+        # The packed bf16 GEMM (`gemm_linear`): AMX tiles where built for this CPU and the tile
+        # state is granted to this process, else AVX512-BF16 dot products where the CPU has
+        # them, else none (oneDNN's GEMM runs). $KVABI_NO_AMX set: never the AMX tiles.
+        code = lib.kvabi_gemm_init(0 if os.environ.get("KVABI_NO_AMX") else 1)
+        self.gemm: str | None = GEMMS.get(code)
+        self.amx = code == 2  # the AMX tiles: the packed GEMM and the prefill attention
 
     def _call(self, name: str, *args: object) -> None:
         code = self._fns[name](*args, torch.get_num_threads())
@@ -286,34 +313,35 @@ class CpuKernels:
         return out
 
     @staticmethod
-    def amx_supports(weight: torch.Tensor) -> bool:
-        """Whether `amx_pack` takes this [out, in] weight (bf16, out % 16 == 0, in % 32 == 0)."""
+    def gemm_supports(weight: torch.Tensor) -> bool:
+        """Whether `gemm_pack` takes this [out, in] weight (bf16, out % 16 == 0, in % 32 == 0)."""
         out_features, in_features = weight.shape
         return weight.dtype == torch.bfloat16 and out_features % 16 == 0 and in_features % 32 == 0
 
     @staticmethod
-    def amx_pack(weight: torch.Tensor) -> torch.Tensor:
-        """weight [n, k] -> the AMX B-tile order `amx_linear` streams: [n/16, k/32, 16, 16, 2],
-        element [j, s, p, c, e] = weight[16 j + c, 32 s + 2 p + e] (a new contiguous copy)."""
+    def gemm_pack(weight: torch.Tensor) -> torch.Tensor:
+        """weight [n, k] -> the AMX B-tile order `gemm_linear` streams (both of its GEMMs):
+        [n/16, k/32, 16, 16, 2], element [j, s, p, c, e] = weight[16 j + c, 32 s + 2 p + e]
+        (a new contiguous copy)."""
         n, k = weight.shape
         tiles = weight.detach().reshape(n // 16, 16, k // 32, 16, 2)
         return tiles.permute(0, 2, 3, 1, 4).contiguous()
 
-    def amx_linear(
+    def gemm_linear(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """x [rows, k] bf16 (unit column stride) @ weight.T (+ bias) -> [rows, n] bf16, with
-        `packed = amx_pack(weight)`. Only where `self.amx`."""
+        `packed = gemm_pack(weight)`. Only where `self.gemm`."""
         if x.stride(-1) != 1:
             x = x.contiguous()
         rows, k = x.shape
         n = packed.shape[0] * 16
         if k != packed.shape[1] * 32 or (bias is not None and bias.shape != (n,)):
-            raise ValueError(f"amx_linear: x [{rows}, {k}] or bias does not fit W [{n}, ...]")
+            raise ValueError(f"gemm_linear: x [{rows}, {k}] or bias does not fit W [{n}, ...]")
         y = torch.empty(rows, n, dtype=torch.bfloat16)
         b = 0 if bias is None else bias.data_ptr()
         args = (x.data_ptr(), x.stride(0), packed.data_ptr(), b, y.data_ptr(), n, rows, n, k)
-        self._call("kvabi_amx_linear", *args)
+        self._call("kvabi_packed_linear", *args)
         return y
 
     def decode_layers(
@@ -328,9 +356,9 @@ class CpuKernels:
         tables: torch.Tensor,
         context_lens: torch.Tensor,
     ) -> None:
-        """Run all `layers` (a `DecodeLayer` array) of a decode step in one call, bf16 with AMX:
-        x [rows, hidden] contiguous is the residual stream, updated in place; each row is one
-        sequence's new token, with cos/sin [rows, head_dim], its slot (slot_blocks,
+        """Run all `layers` (a `DecodeLayer` array) of a decode step in one call, bf16 with the
+        packed GEMM: x [rows, hidden] contiguous is the residual stream, updated in place; each
+        row is one sequence's new token, with cos/sin [rows, head_dim], its slot (slot_blocks,
         slot_offsets [rows] int64) and its block table and context length (tables [rows, W],
         context_lens [rows] int64; the context includes the new token)."""
         cos, sin = cos.contiguous(), sin.contiguous()
@@ -416,16 +444,26 @@ class CpuKernels:
 
 
 @functools.cache
-def cpu_kernels() -> CpuKernels | None:
-    """The compiled kernels, or None where they cannot be built here (see `kernel_status`)."""
+def cpu_kernels(isa: str | None = None) -> CpuKernels | None:
+    """The compiled kernels, or None where they cannot be built here (see `kernel_status`).
+    `isa`: the target (`ISA_TARGETS`; default `$KVABI_KERNEL_ISA`, else the CPU's own)."""
     if os.environ.get("KVABI_NO_KERNELS"):
         _status[0] = "disabled by KVABI_NO_KERNELS"
         return None
+    isa = isa or os.environ.get("KVABI_KERNEL_ISA") or "native"
+    return _load(isa)
+
+
+@functools.cache
+def _load(isa: str) -> CpuKernels | None:
+    if (why := isa_gap(isa)) is not None:
+        _status[0] = f"unavailable: kernels for {isa}: {why}"
+        return None
     try:
-        path = _build()
-        kernels = CpuKernels(ctypes.CDLL(str(path)))
+        path = _build(isa)
+        kernels = CpuKernels(ctypes.CDLL(str(path)), isa)
     except (OSError, subprocess.SubprocessError) as err:
         _status[0] = f"unavailable: {err}"
         return None
-    _status[0] = f"loaded from {path}"
+    _status[0] = f"loaded from {path} (built for {isa})"
     return kernels

@@ -5,12 +5,15 @@ call, which reorders it into blocked tiles each time; at serving batch sizes (1-
 reorder costs as much as the product. Packing once at load time, as inductor's freezing pass does,
 removes it. Two packings:
 
-- bf16 with kvabi's C++ kernels on a CPU with AMX (`CpuKernels.amx`): the weight is stored in AMX
-  tile order and the GEMM is kvabi's own (`amx_linear` in cpu_kernels.cpp). At decode sizes it
-  only streams weights, about 2x oneDNN's packed GEMM on SmolLM2's layers at 16 rows (measured
-  over all 30 layers' distinct weights, so from memory, not cache); up to 32 rows its results
-  equal oneDNN's bit for bit. Above `AMX_MAX_ROWS` rows (prefill chunks), where oneDNN's
-  blocking wins, the plain weight goes to `F.linear`.
+- bf16 with kvabi's C++ kernels on a CPU with AMX or AVX512-BF16 (`CpuKernels.gemm`): the weight
+  is stored in AMX tile order and the GEMM is kvabi's own (`gemm_linear`; `amx_linear` and
+  `dot_linear` in cpu_kernels.cpp). At decode sizes it only streams weights: with AMX about 2x
+  oneDNN's packed GEMM on SmolLM2's layers at 16 rows (measured over all 30 layers' distinct
+  weights, so from memory, not cache), its results equal oneDNN's bit for bit up to 32 rows;
+  the AVX512-BF16 one sums in another order (a rare element one bf16 ulp off) and was 1.7x
+  oneDNN at 1 row, 1.2x at 16 and 1.05-1.1x from 64 to 1,024 rows on a Zen 4 EPYC. Above
+  `GEMM_MAX_ROWS` rows (prefill chunks), where oneDNN's blocking wins, the plain weight goes
+  to `F.linear`.
 
 - otherwise oneDNN's (bf16) or MKL's (fp32) packed weight, through their torch ops.
 
@@ -27,7 +30,8 @@ import torch.nn.functional as F
 from kvabi.models.cpu_kernels import CpuKernels
 
 PACK_ROWS_HINT = 16  # the row count oneDNN/MKL packing is tuned for; any row count works
-AMX_MAX_ROWS = 256  # the AMX GEMM matches or beats oneDNN up to here (bench in the docstring)
+# the packed GEMM matches or beats oneDNN up to here (per kind; bench in the docstring)
+GEMM_MAX_ROWS = {"AMX tiles": 256, "AVX512-BF16 dot products": 1024}
 
 
 def _can_pack(dtype: torch.dtype) -> bool:
@@ -45,8 +49,8 @@ def _can_pack(dtype: torch.dtype) -> bool:
 class PackedLinear:
     """y = x @ weight.T + bias, weight [out, in], x [rows, in] -> [rows, out].
 
-    `kernels`: kvabi's CPU kernels; where they have AMX and take the weight, the AMX packing is
-    used instead of oneDNN's."""
+    `kernels`: kvabi's CPU kernels; where they have a packed GEMM (AMX or AVX512-BF16) and take
+    the weight, their packing is used instead of oneDNN's."""
 
     def __init__(
         self,
@@ -58,13 +62,14 @@ class PackedLinear:
         self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach().contiguous()
         self.packed: torch.Tensor | None = None  # oneDNN / MKL layout
-        self.amx: torch.Tensor | None = None  # AMX tile layout, used with self.kernels
+        self.tiles: torch.Tensor | None = None  # AMX tile order, for self.kernels' packed GEMM
         self.kernels = kernels
         if not pack or self.weight.device.type != "cpu":
             return
-        amx = kernels is not None and kernels.amx and kernels.amx_supports(self.weight)
-        if amx and (self.bias is None or self.bias.dtype == torch.bfloat16):
-            self.amx = kernels.amx_pack(self.weight)
+        ours = kernels is not None and kernels.gemm and kernels.gemm_supports(self.weight)
+        if ours and (self.bias is None or self.bias.dtype == torch.bfloat16):
+            self.tiles = kernels.gemm_pack(self.weight)
+            self.max_rows = GEMM_MAX_ROWS[kernels.gemm]
             return
 
         if _can_pack(self.weight.dtype):
@@ -79,10 +84,10 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         plain = x.dim() != 2 or x.dtype != self.weight.dtype or x.requires_grad
-        if self.amx is not None and self.kernels is not None:
-            if plain or x.shape[0] > AMX_MAX_ROWS:
+        if self.tiles is not None and self.kernels is not None:
+            if plain or x.shape[0] > self.max_rows:
                 return F.linear(x, self.weight, self.bias)
-            return self.kernels.amx_linear(x, self.amx, self.bias)
+            return self.kernels.gemm_linear(x, self.tiles, self.bias)
         if self.packed is None or plain:
             return F.linear(x, self.weight, self.bias)
         if self.weight.dtype == torch.bfloat16:

@@ -12,7 +12,8 @@ from tests.engine.tiny import run_all, tiny_loaded
 
 KERNELS = cpu_kernels()
 pytestmark = pytest.mark.skipif(
-    KERNELS is None or not KERNELS.amx, reason="the fused decode needs the AMX GEMM"
+    KERNELS is None or KERNELS.gemm is None,
+    reason="the fused decode needs the packed GEMM (AMX or AVX512-BF16)",
 )
 
 
@@ -67,7 +68,7 @@ def test_fused_decode_on_the_bundled_model():
         prefills[0] += 1
         return inner(*args)
 
-    kernels.prefill_attention = counted  # the prompts' attention: the AMX prefill kernel
+    kernels.prefill_attention = counted  # the prompts' attention: the AMX prefill kernel, if any
     text = "the quick brown fox jumps over a lazy dog while seven ravens watch"
     words = text.split(" ")
     prompts = [" ".join(words[: 2 + i % 11]) * (1 + i // 5) for i in range(16)]
@@ -76,7 +77,8 @@ def test_fused_decode_on_the_bundled_model():
         _same(run_all(fused, prompts, params), run_all(plain, prompts, params))
     finally:
         del kernels.prefill_attention
-    assert calls[0] >= 15 and prefills[0] >= 16 * 30
+    assert calls[0] >= 15
+    assert prefills[0] >= 16 * 30 if kernels.amx else prefills[0] == 0  # else torch's SDPA
 
 
 def test_build_declines_what_it_cannot_run():

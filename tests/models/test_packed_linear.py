@@ -32,21 +32,21 @@ def test_packing_happens_where_the_library_has_it_and_is_optional():
     assert PackedLinear(weight)(x).requires_grad
 
 
-def test_amx_packing_where_the_kernels_have_it():
+def test_tile_packing_where_the_kernels_have_a_packed_gemm():
     from kvabi.models.cpu_kernels import cpu_kernels
-    from kvabi.models.packed_linear import AMX_MAX_ROWS
+    from kvabi.models.packed_linear import GEMM_MAX_ROWS
 
     kernels = cpu_kernels()
-    if kernels is None or not kernels.amx:
-        pytest.skip("no AMX GEMM here")
+    if kernels is None or kernels.gemm is None:
+        pytest.skip("no packed GEMM here (neither AMX nor AVX512-BF16)")
     torch.manual_seed(1)
     weight, b = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
     lin = PackedLinear(weight, b, kernels=kernels)
-    assert lin.amx is not None and lin.packed is None
-    for rows in (1, 16, 33, AMX_MAX_ROWS + 1):  # the last one goes to F.linear
+    assert lin.tiles is not None and lin.packed is None
+    for rows in (1, 16, 33, GEMM_MAX_ROWS[kernels.gemm] + 1):  # the last one goes to F.linear
         x = torch.randn(rows, 64, dtype=torch.bfloat16)
         with torch.inference_mode():
             got, want = lin(x), F.linear(x, weight, b)
         torch.testing.assert_close(got, want, atol=3e-2 * want.abs().max().item(), rtol=0)
-    # a weight the AMX GEMM cannot take (in % 32 != 0) keeps oneDNN's packing
-    assert PackedLinear(torch.randn(96, 40, dtype=torch.bfloat16), kernels=kernels).amx is None
+    # a weight the packed GEMM cannot take (in % 32 != 0) keeps oneDNN's packing
+    assert PackedLinear(torch.randn(96, 40, dtype=torch.bfloat16), kernels=kernels).tiles is None
