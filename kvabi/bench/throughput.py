@@ -2,11 +2,13 @@
 
 Each engine runs in its own process, one after another (never two at once on this 2-core
 machine), on a seeded workload: batch 1 (TTFT and decode tokens/s) and 16 concurrent requests
-of mixed prompt and output lengths (aggregate tokens/s). Ratios are against HF measured in the
-same run. The model is a bundled one by name (default SmolLM2-135M; `gemma3-270m` too): HF
-and llama.cpp load the same GGUF as kvabi. The dtype `auto` is bf16 where the CPU computes it
-natively, else fp32 (`parse_dtype`). vLLM runs from `.venv-vllm` (scripts/setup_vllm.sh) when
-present, on an HF folder of the same weights.
+of mixed prompt and output lengths (aggregate tokens/s). Ratios are against HF, vLLM and
+llama.cpp measured in the same run (`*_vs_vllm_ratio`, `*_vs_llamacpp_ratio`). The model is a
+bundled one by name (default SmolLM2-135M; `gemma3-270m` too): HF and llama.cpp load the same
+GGUF as kvabi; llama.cpp runs twice, on the GGUF as shipped (q4_1) and on the same weights
+re-encoded in kvabi's dtype (`widen_gguf`), so one comparison is at the same precision. The
+dtype `auto` is bf16 where the CPU computes it natively, else fp32 (`parse_dtype`). vLLM runs
+from `.venv-vllm` (scripts/setup_vllm.sh) when present, on an HF folder of the same weights.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from kvabi.abi.table import print_table
 from kvabi.bench.report import write_json
 from kvabi.models.checkpoint import WEIGHT_DTYPES, parse_dtype
+from kvabi.models.gguf_widen import WIDE_TYPES, widen_gguf
 from kvabi.models.registry import DEFAULT_MODEL, bundled_model_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,7 +113,9 @@ def _run_worker(cmd: list[str], out: Path) -> dict | str:
 
 
 def _engines(dtypes: list[str], model: str) -> list[tuple[str, str]]:
-    runs = [(e, d) for d in dtypes for e in ("hf", "kvabi")]
+    """HF and kvabi in each dtype; llama.cpp on the GGUF as shipped and re-encoded in each dtype
+    (`widen_gguf`: the weights kvabi computes with); vLLM in the first dtype."""
+    runs = [(e, d) for d in dtypes for e in ("hf", "kvabi", "llamacpp")]
     return runs + [("llamacpp", gguf_quant(model)), ("vllm", dtypes[0])]
 
 
@@ -145,13 +150,29 @@ def run(
             cmd = _command(engine, dtype, model, wpath, out, tmp)
             results[f"{engine}-{dtype}"] = _run_worker(cmd, out)
             print(f"  {engine} ({dtype}): done", file=sys.stderr)
-    figures = {"model": model, "dtypes": dtypes} | _figures(results, work, dtypes)
+    figures = {"model": model, "dtypes": dtypes} | _figures(
+        results, work, dtypes, gguf_quant(model)
+    )
     _print(figures)
     write_json(json_path, figures)
     return figures
 
 
 def _command(engine: str, dtype: str, model: str, wpath: Path, out: Path, tmp: str) -> list[str]:
+    if engine == "llamacpp":
+        gguf = bundled_model_path(model)
+        if dtype in WIDE_TYPES:  # the same weights as kvabi's, at its precision
+            gguf = widen_gguf(gguf, Path(tmp) / f"{model}-{dtype}.gguf", dtype)
+        return [sys.executable, "-m", "kvabi.bench.throughput_workers", "--engine", engine] + [
+            "--model",
+            model,
+            "--workload",
+            str(wpath),
+            "--out",
+            str(out),
+            "--gguf",
+            str(gguf),
+        ]
     if engine != "vllm":
         return [
             sys.executable,
@@ -166,7 +187,7 @@ def _command(engine: str, dtype: str, model: str, wpath: Path, out: Path, tmp: s
             "--out",
             str(out),
             "--dtype",
-            "fp32" if engine == "llamacpp" else dtype,
+            dtype,
         ]
     if not VLLM_PYTHON.exists():
         return [
@@ -198,7 +219,7 @@ def hf_folder(model: str, dtype: str, out_dir: Path) -> Path:
     return export_hf_folder(load_model(model, dtype=dtype, progress=False), out_dir)
 
 
-def _figures(results: dict, work: dict, dtypes: list[str]) -> dict:
+def _figures(results: dict, work: dict, dtypes: list[str], quant: str = "q4_1") -> dict:
     figures = {
         "workload": {
             "batch1_prompt": len(work["batch1"]["prompt_ids"]),
@@ -219,7 +240,26 @@ def _figures(results: dict, work: dict, dtypes: list[str]) -> dict:
             figures[f"{d}_greedy_tokens_agree_with_hf"] = _agreeing(
                 hf["batch1_tokens"], ours["batch1_tokens"]
             )
+        figures |= _peer_ratios(results, d, quant)
     return figures
+
+
+def _peer_ratios(results: dict, dtype: str, quant: str) -> dict:
+    """kvabi in `dtype` against the peers measured in the same run: vLLM (same weights and
+    dtype), llama.cpp on the same weights in `dtype` and on the GGUF's own quantisation."""
+    ours, out = results.get(f"kvabi-{dtype}"), {}
+    peers = {"vllm": f"vllm-{dtype}", "llamacpp": f"llamacpp-{dtype}"}
+    peers[f"llamacpp_{quant}"] = f"llamacpp-{quant}"
+    for label, key in peers.items():
+        peer = results.get(key)
+        if not (isinstance(ours, dict) and isinstance(peer, dict)):
+            continue
+        for figure, field in (
+            ("decode", "batch1_decode_tok_s"),
+            ("concurrent", "concurrent_tok_s"),
+        ):
+            out[f"{dtype}_{figure}_vs_{label}_ratio"] = ours[field] / peer[field]
+    return out
 
 
 def _ran_on(results: dict, dtypes: list[str]) -> dict:

@@ -86,13 +86,14 @@ def run_hf(work: dict, dtype: str, model: str) -> dict:
     return _measure(generate, work) | {"cpu_path": cpu_path}
 
 
-def run_llamacpp(work: dict, dtype: str, model: str) -> dict:
+def run_llamacpp(work: dict, dtype: str, model: str, gguf: str | None = None) -> dict:
+    """llama.cpp on `gguf` (default: the bundled file as shipped); `dtype` is not used."""
     import llama_cpp
 
     from kvabi.models.registry import bundled_model_path
 
     llm = llama_cpp.Llama(
-        model_path=str(bundled_model_path(model)),
+        model_path=gguf or str(bundled_model_path(model)),
         n_ctx=2048,
         n_batch=512,
         n_threads=2,
@@ -159,10 +160,13 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", default="smollm2-135m-instruct", help="a bundled model")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument("--gguf", help="llamacpp: the GGUF to load (default the bundled one)")
     args = parser.parse_args()
     work = json.loads(Path(args.workload).read_text())
-    figures = RUNNERS[args.engine](work, args.dtype, args.model)
-    figures |= {"engine": args.engine, "dtype": args.dtype}
+    extra = {"gguf": args.gguf} if args.engine == "llamacpp" else {}
+    figures = RUNNERS[args.engine](work, args.dtype, args.model, **extra)
+    figures |= {"engine": args.engine}
+    figures |= {"gguf": Path(args.gguf).name} if args.gguf else {"dtype": args.dtype}
     Path(args.out).write_text(json.dumps(figures))
 
 

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from kvabi.bench.throughput import (
     _agreeing,
+    _engines,
     _figures,
     _run_worker,
     dtype_names,
@@ -37,6 +38,33 @@ def test_ratios_and_token_agreement_against_hf():
     assert figures["bf16_greedy_tokens_agree_with_hf"] == "2/4"
     assert figures["ran_on"] == {"cpu": "X", "llamacpp_cpu_path": "AVX2 = 1"}
     assert figures["engines"]["vllm-bf16"] == "skipped: vLLM not installed"
+
+
+def test_ratios_against_vllm_and_llamacpp_at_both_precisions():
+    work = {"batch1": {"prompt_ids": [1] * 5, "max_tokens": 4}, "concurrent": [{}] * 16}
+    results = {
+        "hf-bf16": _result(0.2, 10.0, 50.0, [7]),
+        "kvabi-bf16": _result(0.1, 60.0, 200.0, [7]),
+        "llamacpp-bf16": _result(0.1, 40.0, 50.0, [7]),
+        "llamacpp-q4_1": _result(0.1, 80.0, 100.0, [7]),
+        "vllm-bf16": _result(0.1, 30.0, 160.0, [7]),
+    }
+    figures = _figures(results, work, ["bf16"], "q4_1")
+    assert figures["bf16_decode_vs_llamacpp_ratio"] == 1.5
+    assert figures["bf16_concurrent_vs_llamacpp_ratio"] == 4.0
+    assert figures["bf16_decode_vs_llamacpp_q4_1_ratio"] == 0.75
+    assert figures["bf16_decode_vs_vllm_ratio"] == 2.0
+    assert figures["bf16_concurrent_vs_vllm_ratio"] == 1.25
+    # a peer that did not run gives no ratio (rather than a made-up one)
+    results["vllm-bf16"] = "skipped: vLLM not installed"
+    assert "bf16_decode_vs_vllm_ratio" not in _figures(results, work, ["bf16"], "q4_1")
+
+
+def test_llamacpp_runs_on_the_shipped_gguf_and_on_it_in_each_dtype():
+    assert _engines(["bf16"], "smollm2-135m-instruct") == [
+        ("hf", "bf16"), ("kvabi", "bf16"), ("llamacpp", "bf16"), ("llamacpp", "q4_1"),
+        ("vllm", "bf16"),
+    ]  # fmt: skip
 
 
 def test_auto_is_the_dtype_this_cpu_computes_natively():
