@@ -57,8 +57,8 @@ def prefill_gap(
         return "shared layer (reads another layer's K/V)"
     if window:
         return f"sliding window {window} (the kernel is causal over the whole context)"
-    if not kernels.amx:
-        return "no AMX"
+    if kernels.gemm is None:
+        return "neither AMX nor AVX512-BF16"
     if not q_dtype == kv_dtype == torch.bfloat16:
         return "not bf16"
     if head_dim % 32:

@@ -134,7 +134,7 @@ def _prefill(
         q = torch.zeros(n // 2, heads, head_dim, dtype=dtype)
         k = torch.zeros(n, k_pool.shape[2], head_dim, dtype=k_pool.dtype)
         why = kernels.prefill_gap(q, k, k.clone())
-    return _path("kvabi_prefill_attention (AMX tiles)", why)
+    return _path(f"kvabi_prefill_attention ({kernels.gemm if kernels else '-'})", why)
 
 
 def _path(kernel: str, why: str | None) -> KernelPath:

@@ -601,36 +601,40 @@ void amx_linear(const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_
 }
 
 
-// ---- Prefill attention on AMX tiles (bf16) ----
+#endif  // KVABI_HAVE_AMX
+
+// ---- Prefill attention (bf16) on AMX tiles or AVX512-BF16 dot products ----
 // One sequence's chunk of queries against its keys: q [tq, num_heads, D] (row stride
 // q_stride), k and v [tk, num_kv_heads, D] (row strides k_stride, v_stride), heads and D
 // contiguous in a row; query i sits at position tk - tq + i and sees keys 0 .. tk - tq + i.
 // out [tq, num_heads, D] contiguous. As torch's flash attention does for bf16: S = Q K^T with
-// bf16 products summed in float32 (on tiles), scaled and soft-maxed in float32, P rounded to
-// bf16 for O = P V (float32 sums on tiles), O divided by the row sum and rounded once. (The one
-// difference: P is taken against the row's final maximum, not a running one.)
-// K and V are first repacked per KV head into the tiles' pair-interleaved ("VNNI") order.
-inline void amx_configure_square() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
+// bf16 products summed in float32, scaled and soft-maxed in float32, P rounded to bf16 for
+// O = P V (float32 sums), O divided by the row sum and rounded once. (The one difference: P is
+// taken against the row's final maximum, not a running one.) K and V are first repacked per KV
+// head into a pair-interleaved ("VNNI") order that both engines read: the AMX tiles take 16x16
+// blocks of it whole, the dot products one 64-byte row (16 columns x a pair) at a time.
+#if defined(__AVX512BF16__)
+struct PrefillKV {
+  int64_t key_blocks, key_pairs;
+  int k_steps, dim_tiles;
+  std::vector<uint16_t> kt;  // per KV head, per 16 keys, per 32 dims: [16 dim pairs][16 keys][2]
+  std::vector<uint16_t> vt;  // per KV head, per 32 keys, per 16 dims: [16 key pairs][16 dims][2]
+  const uint16_t* k_tiles(int64_t h, int64_t b) const {
+    return kt.data() + (h * key_blocks + b) * k_steps * 512;
   }
-  _tile_loadconfig(&cfg);
-}
+  const uint16_t* v_tiles(int64_t h, int64_t kp) const {
+    return vt.data() + (h * key_pairs + kp) * dim_tiles * 512;
+  }
+};
 
-void amx_prefill(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride,
-                 const uint16_t* v, int64_t v_stride, uint16_t* out, int64_t tq, int64_t tk,
-                 int num_heads, int num_kv_heads, int head_dim, float scale, int num_threads) {
-  const int dim = head_dim, group = num_heads / num_kv_heads;
+void prefill_pack(const uint16_t* k, int64_t k_stride, const uint16_t* v, int64_t v_stride,
+                  int64_t tk, int num_kv_heads, int dim, PrefillKV& kv, int num_threads) {
   const int64_t key_blocks = (tk + 15) / 16, key_pairs = (tk + 31) / 32;
   const int k_steps = dim / 32, dim_tiles = dim / 16;
-  // one row of scores per query, as long as a P row: the softmax's masked loads stay inside
-  const int64_t s_ld = key_pairs * 32, p_ld = key_pairs * 32;
-  // kt: per KV head, per 16 keys, per 32 dims: [16 dim pairs][16 keys][2]
-  // vt: per KV head, per 32 keys, per 16 dims: [16 key pairs][16 dims][2]
-  std::vector<uint16_t> kt(static_cast<size_t>(num_kv_heads) * key_blocks * k_steps * 512);
-  std::vector<uint16_t> vt(static_cast<size_t>(num_kv_heads) * key_pairs * dim_tiles * 512);
+  kv.key_blocks = key_blocks, kv.key_pairs = key_pairs, kv.k_steps = k_steps;
+  kv.dim_tiles = dim_tiles;
+  kv.kt.assign(static_cast<size_t>(num_kv_heads) * key_blocks * k_steps * 512, 0);
+  kv.vt.assign(static_cast<size_t>(num_kv_heads) * key_pairs * dim_tiles * 512, 0);
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (int64_t item = 0; item < num_kv_heads * key_pairs; ++item) {
     const int64_t h = item / key_pairs, kp = item % key_pairs;
@@ -643,7 +647,7 @@ void amx_prefill(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t
                                                _mm512_set1_epi32(static_cast<int>(k_stride / 2)));
       for (int st = 0; st < k_steps; ++st) {
         const int* base = reinterpret_cast<const int*>(k + n0 * k_stride + h * dim + st * 32);
-        uint16_t* dst = kt.data() + ((h * key_blocks + b) * k_steps + st) * 512;
+        uint16_t* dst = kv.kt.data() + ((h * key_blocks + b) * k_steps + st) * 512;
         for (int pair = 0; pair < 16; ++pair)
           _mm512_storeu_si512(dst + pair * 32, _mm512_mask_i32gather_epi32(
                                                    _mm512_setzero_si512(), rows, index,
@@ -660,18 +664,60 @@ void amx_prefill(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t
           return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
         };
         const __m512i pairs = _mm512_or_si512(widen(n), _mm512_slli_epi32(widen(n + 1), 16));
-        _mm512_storeu_si512(vt.data() + ((h * key_pairs + kp) * dim_tiles + t) * 512 + i * 32, pairs);
+        _mm512_storeu_si512(kv.vt.data() + ((h * key_pairs + kp) * dim_tiles + t) * 512 + i * 32, pairs);
       }
     }
   }
+}
+
+// Row r < rows of a 16-row block sees `first_seen + r` keys: p[r] = bf16(exp(scale * s[r] -
+// max)) over those (0 after them, up to pairs * 32) and inv[r] = 1 / their sum; rows past
+// `rows` get zeros.
+void prefill_softmax(const float* s, int64_t s_ld, uint16_t* p, int64_t p_ld, int rows,
+                     int64_t first_seen, int64_t pairs, float scale, float* inv) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int r = 0; r < 16; ++r) {
+    uint16_t* pr = p + r * p_ld;
+    const int64_t seen = r < rows ? first_seen + r : 0;
+    const float* sr = s + r * s_ld;
+    auto lanes = [&](int64_t j) {  // the keys j .. j + 15 this row sees
+      const int64_t n = std::clamp<int64_t>(seen - j, 0, 16);
+      return static_cast<__mmask16>((1u << n) - 1);
+    };
+    __m512 peak = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < seen; j += 16) {
+      const __mmask16 m = lanes(j);
+      peak = _mm512_mask_max_ps(peak, m, peak, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sr + j), vscale));
+    }
+    const __m512 top = _mm512_set1_ps(seen > 0 ? _mm512_reduce_max_ps(peak) : 0.0f);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < pairs * 32; j += 16) {
+      const __mmask16 m = lanes(j);
+      const __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, sr + j), vscale), top);
+      const __m512 e = _mm512_maskz_mov_ps(m, exp16(x));
+      sum = _mm512_add_ps(sum, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    inv[r] = seen > 0 ? 1.0f / _mm512_reduce_add_ps(sum) : 0.0f;
+  }
+}
+
+// Each thread takes (head, 16-query block) items: S for the keys the block sees
+// (Math::scores), the softmax, then O = P V (Math::values), which writes `rows` rows of out.
+template <class Math>
+void prefill(const uint16_t* q, int64_t q_stride, const PrefillKV& kv, uint16_t* out,
+             int64_t tq, int64_t tk, int num_heads, int num_kv_heads, int dim, float scale,
+             int num_threads) {
+  const int group = num_heads / num_kv_heads;
+  // one row of scores per query, as long as a P row: the softmax's masked loads stay inside
+  const int64_t s_ld = kv.key_pairs * 32, p_ld = kv.key_pairs * 32;
   const int64_t q_blocks = (tq + 15) / 16, offset = tk - tq;
 #pragma omp parallel num_threads(num_threads)
   {
-    amx_configure_square();
+    Math math;
     std::vector<float> s(static_cast<size_t>(16) * s_ld);
     std::vector<uint16_t> p(static_cast<size_t>(16) * p_ld);
     std::vector<uint16_t> qbuf(static_cast<size_t>(16) * dim);
-    alignas(64) float c[16 * 16];
     float inv[16];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_heads * q_blocks; ++item) {
@@ -682,82 +728,141 @@ void amx_prefill(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t
           qbuf[r * dim + d] = r < rows ? q[(q0 + r) * q_stride + head * dim + d] : 0;
       const int64_t keys = offset + q0 + rows;  // keys the block's last row sees
       const int64_t blocks = (keys + 15) / 16, pairs = (keys + 31) / 32;
-      for (int64_t b = 0; b < blocks; ++b) {
-        _tile_zero(6);
-        for (int st = 0; st < k_steps; ++st) {
-          _tile_loadd(4, qbuf.data() + st * 32, dim * 2);
-          _tile_loadd(5, kt.data() + ((kvh * key_blocks + b) * k_steps + st) * 512, 64);
-          _tile_dpbf16ps(6, 4, 5);
-        }
-        _tile_stored(6, s.data() + b * 16, s_ld * 4);
-      }
-      const __m512 vscale = _mm512_set1_ps(scale);
-      for (int r = 0; r < 16; ++r) {
-        uint16_t* pr = p.data() + r * p_ld;
-        const int64_t seen = r < rows ? offset + q0 + r + 1 : 0;
-        const float* sr = s.data() + r * s_ld;
-        auto lanes = [&](int64_t j) {  // the keys j .. j + 15 this row sees
-          const int64_t n = std::clamp<int64_t>(seen - j, 0, 16);
-          return static_cast<__mmask16>((1u << n) - 1);
-        };
-        __m512 peak = _mm512_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < seen; j += 16) {
-          const __mmask16 m = lanes(j);
-          peak = _mm512_mask_max_ps(peak, m, peak, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sr + j), vscale));
-        }
-        const __m512 top = _mm512_set1_ps(seen > 0 ? _mm512_reduce_max_ps(peak) : 0.0f);
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t j = 0; j < pairs * 32; j += 16) {
-          const __mmask16 m = lanes(j);
-          const __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, sr + j), vscale), top);
-          const __m512 e = _mm512_maskz_mov_ps(m, exp16(x));
-          sum = _mm512_add_ps(sum, e);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)_mm512_cvtneps_pbh(e));
-        }
-        inv[r] = seen > 0 ? 1.0f / _mm512_reduce_add_ps(sum) : 0.0f;
-      }
-      for (int t0 = 0; t0 < dim_tiles; t0 += 4) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        const uint16_t* vbase = vt.data() + (kvh * key_pairs) * dim_tiles * 512 + t0 * 512;
-        for (int64_t b = 0; b < pairs; ++b) {
-          const uint16_t* vb = vbase + b * dim_tiles * 512;
-          _tile_loadd(4, p.data() + b * 32, p_ld * 2);
-          _tile_loadd(5, vb, 64);
-          _tile_dpbf16ps(0, 4, 5);
-          if (t0 + 1 < dim_tiles) {
-            _tile_loadd(5, vb + 512, 64);
-            _tile_dpbf16ps(1, 4, 5);
-          }
-          if (t0 + 2 < dim_tiles) {
-            _tile_loadd(5, vb + 1024, 64);
-            _tile_dpbf16ps(2, 4, 5);
-          }
-          if (t0 + 3 < dim_tiles) {
-            _tile_loadd(5, vb + 1536, 64);
-            _tile_dpbf16ps(3, 4, 5);
-          }
-        }
-        for (int t = 0; t < 4 && t0 + t < dim_tiles; ++t) {
-          if (t == 0) _tile_stored(0, c, 64);
-          if (t == 1) _tile_stored(1, c, 64);
-          if (t == 2) _tile_stored(2, c, 64);
-          if (t == 3) _tile_stored(3, c, 64);
-          for (int r = 0; r < rows; ++r) {
-            uint16_t* o = out + ((q0 + r) * num_heads + head) * dim + (t0 + t) * 16;
-            const __m512 row = _mm512_mul_ps(_mm512_loadu_ps(c + r * 16), _mm512_set1_ps(inv[r]));
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(row));
-          }
-        }
-      }
+      math.scores(qbuf.data(), dim, kv, kvh, blocks, s.data(), s_ld);
+      prefill_softmax(s.data(), s_ld, p.data(), p_ld, rows, offset + q0 + 1, pairs, scale, inv);
+      math.values(p.data(), p_ld, kv, kvh, pairs, rows, inv,
+                  out + (q0 * num_heads + head) * dim, int64_t{num_heads} * dim);
     }
-    _tile_release();
   }
 }
 
+inline void emit_scaled(__m512 acc, float inv, uint16_t* o) {
+  const __m512 row = _mm512_mul_ps(acc, _mm512_set1_ps(inv));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(row));
+}
+
+// S and O by vdpbf16ps: a 64-byte row of a K tile is 16 keys x one pair of dims, of a V tile
+// 16 dims x one pair of keys; each is multiplied against the pair of every query row broadcast.
+struct DotMath {
+  void scores(const uint16_t* qbuf, int dim, const PrefillKV& kv, int64_t kvh, int64_t blocks,
+              float* s, int64_t s_ld) const {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint16_t* kb = kv.k_tiles(kvh, b);
+      __m512 acc[16];
+#pragma GCC unroll 16
+      for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+      for (int st = 0; st < kv.k_steps; ++st)
+        for (int pr = 0; pr < 16; ++pr) {
+          const __m512bh w = (__m512bh)_mm512_loadu_si512(kb + st * 512 + pr * 32);
+          const uint16_t* qp = qbuf + st * 32 + 2 * pr;
+#pragma GCC unroll 16
+          for (int r = 0; r < 16; ++r) {
+            int32_t pair;
+            std::memcpy(&pair, qp + r * dim, sizeof pair);
+            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(pair), w);
+          }
+        }
+#pragma GCC unroll 16
+      for (int r = 0; r < 16; ++r) _mm512_storeu_ps(s + r * s_ld + b * 16, acc[r]);
+    }
+  }
+  void values(const uint16_t* p, int64_t p_ld, const PrefillKV& kv, int64_t kvh, int64_t pairs,
+              int rows, const float* inv, uint16_t* out, int64_t out_ld) const {
+    for (int t0 = 0; t0 < kv.dim_tiles; t0 += 2)  // dim_tiles is even (dim % 32 == 0)
+      for (int r0 = 0; r0 < rows; r0 += 8) {
+        __m512 acc[8][2];
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        for (int64_t kp = 0; kp < pairs; ++kp) {
+          const uint16_t* vb = kv.v_tiles(kvh, kp) + t0 * 512;
+          for (int i = 0; i < 16; ++i) {
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(vb + i * 32);
+            const __m512bh w1 = (__m512bh)_mm512_loadu_si512(vb + 512 + i * 32);
+            const uint16_t* pp = p + r0 * p_ld + kp * 32 + 2 * i;
+#pragma GCC unroll 8
+            for (int r = 0; r < 8; ++r) {
+              int32_t pair;
+              std::memcpy(&pair, pp + r * p_ld, sizeof pair);
+              const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+              acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, w0);
+              acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
+            }
+          }
+        }
+        for (int r = 0; r < std::min(8, rows - r0); ++r)
+          for (int t = 0; t < 2; ++t)
+            emit_scaled(acc[r][t], inv[r0 + r], out + (r0 + r) * out_ld + (t0 + t) * 16);
+      }
+  }
+};
+
+#if defined(KVABI_HAVE_AMX)
+// S and O on tiles: 16 queries x 16 keys (S) and 16 queries x 16 dims (O) per C tile.
+struct AmxMath {
+  AmxMath() {
+    TileConfig cfg;
+    for (int t = 0; t < 8; ++t) {
+      cfg.rows[t] = 16;
+      cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+  }
+  ~AmxMath() { _tile_release(); }
+  AmxMath(const AmxMath&) = delete;
+  AmxMath& operator=(const AmxMath&) = delete;
+  void scores(const uint16_t* qbuf, int dim, const PrefillKV& kv, int64_t kvh, int64_t blocks,
+              float* s, int64_t s_ld) const {
+    for (int64_t b = 0; b < blocks; ++b) {
+      _tile_zero(6);
+      for (int st = 0; st < kv.k_steps; ++st) {
+        _tile_loadd(4, qbuf + st * 32, dim * 2);
+        _tile_loadd(5, kv.k_tiles(kvh, b) + st * 512, 64);
+        _tile_dpbf16ps(6, 4, 5);
+      }
+      _tile_stored(6, s + b * 16, s_ld * 4);
+    }
+  }
+  void values(const uint16_t* p, int64_t p_ld, const PrefillKV& kv, int64_t kvh, int64_t pairs,
+              int rows, const float* inv, uint16_t* out, int64_t out_ld) const {
+    alignas(64) float c[16 * 16];
+    for (int t0 = 0; t0 < kv.dim_tiles; t0 += 4) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      const uint16_t* vbase = kv.v_tiles(kvh, 0) + t0 * 512;
+      for (int64_t b = 0; b < pairs; ++b) {
+        const uint16_t* vb = vbase + b * kv.dim_tiles * 512;
+        _tile_loadd(4, p + b * 32, p_ld * 2);
+        _tile_loadd(5, vb, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (t0 + 1 < kv.dim_tiles) {
+          _tile_loadd(5, vb + 512, 64);
+          _tile_dpbf16ps(1, 4, 5);
+        }
+        if (t0 + 2 < kv.dim_tiles) {
+          _tile_loadd(5, vb + 1024, 64);
+          _tile_dpbf16ps(2, 4, 5);
+        }
+        if (t0 + 3 < kv.dim_tiles) {
+          _tile_loadd(5, vb + 1536, 64);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+      }
+      for (int t = 0; t < 4 && t0 + t < kv.dim_tiles; ++t) {
+        if (t == 0) _tile_stored(0, c, 64);
+        if (t == 1) _tile_stored(1, c, 64);
+        if (t == 2) _tile_stored(2, c, 64);
+        if (t == 3) _tile_stored(3, c, 64);
+        for (int r = 0; r < rows; ++r) {
+          emit_scaled(_mm512_loadu_ps(c + r * 16), inv[r], out + r * out_ld + (t0 + t) * 16);
+        }
+      }
+    }
+  }
+};
 #endif  // KVABI_HAVE_AMX
+#endif  // __AVX512BF16__
 
 // The packed GEMM the process runs: 2 AMX tiles, 1 AVX512-BF16 dot products, 0 none (see
 // kvabi_gemm_init).
@@ -1110,11 +1215,22 @@ int kvabi_prefill_attention(const void* q, int64_t q_stride, const void* k, int6
   if (head_dim % 32 || num_kv_heads < 1 || num_heads % num_kv_heads || tq < 1 || tq > tk ||
       k_stride % 2)  // K rows are gathered as pairs of bf16
     return -1;
+#if defined(__AVX512BF16__)
+  if (g_gemm == 0) return -2;
+  PrefillKV kv;
+  prefill_pack(static_cast<const uint16_t*>(k), k_stride, static_cast<const uint16_t*>(v),
+               v_stride, tk, num_kv_heads, head_dim, kv, num_threads);
+  const auto* qq = static_cast<const uint16_t*>(q);
+  auto* o = static_cast<uint16_t*>(out);
 #if defined(KVABI_HAVE_AMX)
-  if (g_gemm != 2) return -2;
-  amx_prefill(static_cast<const uint16_t*>(q), q_stride, static_cast<const uint16_t*>(k),
-              k_stride, static_cast<const uint16_t*>(v), v_stride, static_cast<uint16_t*>(out),
-              tq, tk, num_heads, num_kv_heads, head_dim, scale, num_threads);
+  if (g_gemm == 2) {
+    prefill<AmxMath>(qq, q_stride, kv, o, tq, tk, num_heads, num_kv_heads, head_dim, scale,
+                     num_threads);
+    return 0;
+  }
+#endif
+  prefill<DotMath>(qq, q_stride, kv, o, tq, tk, num_heads, num_kv_heads, head_dim, scale,
+                   num_threads);
   return 0;
 #else
   (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)out;

@@ -177,7 +177,7 @@ class CpuKernels:
         # them, else none (oneDNN's GEMM runs). $KVABI_NO_AMX set: never the AMX tiles.
         code = lib.kvabi_gemm_init(0 if os.environ.get("KVABI_NO_AMX") else 1)
         self.gemm: str | None = GEMMS.get(code)
-        self.amx = code == 2  # the AMX tiles: the packed GEMM and the prefill attention
+        self.amx = code == 2  # the AMX tiles (the packed GEMM and the prefill attention use them)
 
     def _call(self, name: str, *args: object) -> None:
         code = self._fns[name](*args, torch.get_num_threads())
@@ -387,10 +387,11 @@ class CpuKernels:
         )
 
     def prefill_gap(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-        """Why `prefill_attention` cannot take these, or None (it takes bf16 with AMX, head size
-        % 32 == 0, each row's heads and dims contiguous, at least as many keys as queries)."""
-        if not self.amx:
-            return "no AMX"
+        """Why `prefill_attention` cannot take these, or None (it takes bf16 with AMX or
+        AVX512-BF16, head size % 32 == 0, each row's heads and dims contiguous, at least as many
+        keys as queries)."""
+        if self.gemm is None:
+            return "neither AMX nor AVX512-BF16"
         if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in (q, k, v)):
             return "not bf16 on the CPU"
         if not all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (q, k, v)):
@@ -411,7 +412,8 @@ class CpuKernels:
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of a chunk of tq queries q [tq, H, D] over tk >= tq keys k, v
         [tk, H_kv, D], the queries being the last tq positions; scale 1/sqrt(D) -> [tq, H, D].
-        On AMX tiles, with torch's bf16 flash-attention roundings (see cpu_kernels.cpp)."""
+        On AMX tiles or AVX512-BF16 dot products (`self.gemm`), with torch's bf16
+        flash-attention roundings (see cpu_kernels.cpp)."""
         tq, heads, dim = q.shape
         out = torch.empty(tq, heads, dim, dtype=q.dtype)
         self._call(
