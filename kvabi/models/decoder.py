@@ -3,8 +3,9 @@
 Built from a complete state dict without random init; `forward` is `compute_logits` over
 `hidden_states`; logits go through `lm_head`, or the input embedding when the model ties them
 (no `lm_head` parameter then), capped by `logit_softcap` where set (Gemma). Models without fused
-or packed paths (Gemma 3 and 4, Laguna) keep the no-op `fuse_projections` / `use_kernels`;
-`LlamaModel` overrides them. `TypedLayerDecoder` runs layers of named types, one RoPE table each.
+or packed paths (Gemma 4, Laguna, DeepSeek) keep the no-op `fuse_projections` / `use_kernels`;
+`LlamaModel` overrides them, and Gemma 3 packs its GEMMs in bf16 (`pack_linears`).
+`TypedLayerDecoder` runs layers of named types, one RoPE table each.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from kvabi.models.attention import AttentionFn
 from kvabi.models.cpu_kernels import CpuKernels
+from kvabi.models.packed_linear import PackedLinear
 
 
 class Decoder(nn.Module):
@@ -25,6 +27,7 @@ class Decoder(nn.Module):
     norm: nn.Module
     lm_head: nn.Linear | None
     logit_softcap: float | None = None  # Gemma's final softcapping: tanh(x / cap) * cap
+    packed_logits: PackedLinear | None = None  # set by pack_linears
 
     @classmethod
     def from_state_dict(cls, config: Any, state_dict: dict[str, torch.Tensor]) -> Self:
@@ -59,7 +62,10 @@ class Decoder(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} does not run its layers in parts")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.logit_weight)  # [num_tokens, vocab_size]
+        if self.packed_logits is not None:
+            logits = self.packed_logits(hidden)
+        else:
+            logits = F.linear(hidden, self.logit_weight)  # [num_tokens, vocab_size]
         cap = self.logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -71,6 +77,20 @@ class Decoder(nn.Module):
     def fuse_projections(self, pack: bool = True, kernels: CpuKernels | None = None) -> Self:
         """No fused or packed GEMMs: plain torch throughout."""
         return self
+
+    def pack_linears(self, kernels: CpuKernels | None) -> None:
+        """bf16 on the CPU: every `nn.Linear`'s weight, and the logits' (the tied embedding's
+        included), packed once for a CPU GEMM (`PackedLinear`: kvabi's AMX or AVX512-BF16 GEMM
+        where `kernels` has one, else oneDNN's packing) instead of being reordered by oneDNN on
+        every call; a module keeps its parameters (state_dict unchanged) and runs the packed
+        GEMM as its forward. One more copy of each weight in memory. Other dtypes: unchanged
+        (float32 stays on F.linear, whose results the reference tests compare bit-near)."""
+        if self.dtype != torch.bfloat16 or self.embed_tokens.weight.device.type != "cpu":
+            return
+        for module in self.modules():
+            if type(module) is nn.Linear:
+                module.forward = PackedLinear(module.weight, module.bias, True, kernels)
+        self.packed_logits = PackedLinear(self.logit_weight, None, True, kernels)
 
     def use_kernels(self, kernels: CpuKernels | None) -> Self:
         """No fused CPU kernels."""

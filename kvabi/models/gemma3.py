@@ -9,11 +9,13 @@ and differ in window and RoPE theta. Parameter names equal HF's without the `mod
 from __future__ import annotations
 
 import math
+from typing import Self
 
 import torch
 from torch import nn
 
 from kvabi.models.attention import AttentionFn
+from kvabi.models.cpu_kernels import CpuKernels
 from kvabi.models.decoder import TypedLayerDecoder
 from kvabi.models.gemma3_config import FULL, SLIDING, Gemma3Config
 from kvabi.models.gemma4 import Gemma4MLP, ScaledEmbedding
@@ -110,3 +112,9 @@ class Gemma3Model(TypedLayerDecoder):
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False)
+
+    def fuse_projections(self, pack: bool = True, kernels: CpuKernels | None = None) -> Self:
+        """In bf16 the GEMMs run on packed weights (`pack_linears`); nothing is fused."""
+        if pack:
+            self.pack_linears(kernels)
+        return self

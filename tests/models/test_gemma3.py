@@ -94,6 +94,32 @@ def test_kv_layers_give_sliding_layers_their_window(pair: Any) -> None:
     )
 
 
+@torch.no_grad()
+def test_bf16_runs_its_gemms_on_packed_weights_with_the_same_logits(pair: Any) -> None:
+    import copy
+
+    from kvabi.models.cpu_kernels import cpu_kernels
+    from kvabi.models.packed_linear import PackedLinear
+
+    plain = copy.deepcopy(pair[1]).to(torch.bfloat16)
+    packed = copy.deepcopy(plain).fuse_projections(kernels=cpu_kernels())
+    linears = [m for m in packed.modules() if type(m) is torch.nn.Linear]
+    assert linears and all(isinstance(m.forward, PackedLinear) for m in linears)
+    assert isinstance(packed.packed_logits, PackedLinear)
+    assert packed.state_dict().keys() == plain.state_dict().keys()  # parameters untouched
+    ids = torch.randint(0, COMMON["vocab_size"], (21,), generator=torch.Generator().manual_seed(3))
+    want, got = our_logits(plain, ids).float(), our_logits(packed, ids).float()
+    # another GEMM summation order in bf16: within a few bf16 ulps of the logits' scale
+    torch.testing.assert_close(got, want, atol=0.05 * want.abs().max().item(), rtol=0)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+    # float32 models are left on F.linear (the reference tests compare them to HF)
+    fp32 = copy.deepcopy(pair[1]).fuse_projections(kernels=cpu_kernels())
+    assert fp32.packed_logits is None
+    assert not any(
+        isinstance(m.forward, PackedLinear) for m in fp32.modules() if type(m) is torch.nn.Linear
+    )
+
+
 def test_default_pattern_is_every_sixth_layer_full() -> None:
     raw = {**COMMON, "num_hidden_layers": 8, "sliding_window": 4, "model_type": "gemma3_text"}
     assert read_gemma3_config(raw).layer_types == (S, S, S, S, S, F, S, S)
