@@ -15,16 +15,25 @@ multiple of the store's (128 = 8 x 16); otherwise the connector refuses to start
 block is then `ratio` store blocks; the request's `cache_salt` enters the hash chain's root.
 Only the scheduler side touches the tiers: it reads and verifies a prompt's entries (checksums,
 model, block hash, tokens) before it reports a hit, so a bad or foreign entry, or a tier that
-is down, is a miss and vLLM recomputes; it hands the verified blocks to the worker (in the
-connector metadata), which converts them into vLLM's blocks (preset `vllm-cpu-*` of the
-layers' ISA) before the forward (a synchronous load). After the forward the worker converts
-the prompt blocks the step completed into the store's layout and returns the entries in its
-step output; the scheduler side writes them down.
+is down, is a miss and vLLM recomputes. While other requests are in flight, the reads run off
+vLLM's scheduling loop (`async_fetch`, on by default): asked about a prompt whose first block
+some tier holds, the connector starts a fetch on its own thread and answers "not known yet"
+(vLLM's `None`), so vLLM keeps stepping the others, and answers with the verified count once
+the fetch is done; a prompt whose first block no tier holds is a miss at once. With no other
+request in flight the fetch runs in place: there is nothing to overlap it with, and vLLM's
+engine loop, polling meanwhile, would only slow the fetch's thread down (measured: a
+2,560-token hit's TTFT 580 ms polled against 108 ms in place, on 2 cores). It hands the
+verified blocks to the worker (in the connector metadata), which converts them into vLLM's
+blocks (preset `vllm-cpu-*` of the layers' ISA) before the forward (a synchronous load).
+After the forward the worker converts the prompt blocks the step completed into the store's
+layout and returns the entries in its step output; the scheduler side writes them down.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +57,8 @@ from kvabi.interop.vllm_cache import (
     store_ratio,
     write_sequence,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -87,6 +98,8 @@ class TransferStats:
 
     num_fetched: int = 0
     fetch_s: float = 0.0  # tier reads + verification
+    num_background_fetches: int = 0  # fetches run off vLLM's scheduling loop
+    num_not_yet: int = 0  # times vLLM was told "not known yet" while one ran
     write_s: float = 0.0  # tier writes
     num_loaded: int = 0
     num_saved: int = 0
@@ -94,6 +107,14 @@ class TransferStats:
     bytes_saved: int = 0
     load_s: float = 0.0  # convert into vLLM's blocks
     save_s: float = 0.0  # convert out of vLLM's blocks + encode
+
+
+@dataclass
+class _Fetch:
+    """A prompt's fetch running on the connector's thread, from vLLM block `first` on."""
+
+    first: int
+    future: Future
 
 
 @dataclass
@@ -121,6 +142,9 @@ class KvabiConnector(KVConnectorBase_V1):
             self.tiers = TieredCache(self.store, config.build(self.model.compat_digest()))
         self._requests: dict[str, _Request] = {}
         self._matched: dict[str, CacheBuffers] = {}  # blocks found, waiting for vLLM's
+        self.async_fetch = bool(extra.get("async_fetch", True))
+        self._fetching: dict[str, _Fetch] = {}
+        self._fetcher: ThreadPoolExecutor | None = None
         self._loads: list[Load] = []
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._cache: CacheBuffers | None = None
@@ -130,17 +154,50 @@ class KvabiConnector(KVConnectorBase_V1):
     # ---- scheduler side ----
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple:
-        ids = list(request.prompt_token_ids)
-        keys = self._keys(ids, getattr(request, "cache_salt", None))
-        self._requests[request.request_id] = _Request(ids, keys)
+        req_id, ids = request.request_id, list(request.prompt_token_ids)
+        known = self._requests.get(req_id)  # asked again: its keys are the same
+        keys = known.keys if known else self._keys(ids, getattr(request, "cache_salt", None))
+        self._requests[req_id] = _Request(ids, keys)
         bs, r = self.block_size, self.ratio
         first, last = num_computed_tokens // bs, (len(ids) - 1) // bs  # the last token is run
-        found = self._fetch(keys[first * r : last * r])
+        wanted = keys[first * r : last * r]
+        pending = self._fetching.pop(req_id, None)
+        if pending is not None and pending.first == first:
+            if not pending.future.done():
+                self._fetching[req_id] = pending
+                self.stats.num_not_yet += 1
+                return None, False  # vLLM asks again at a later step
+            found = self._result(pending.future)
+        elif not wanted:
+            return 0, False
+        elif self.async_fetch and len(self._requests) > 1:  # others in flight to overlap with
+            if not self.tiers.holds(wanted[:1])[0]:
+                return 0, False  # a miss answers at once
+            self._fetching[req_id] = _Fetch(first, self._thread().submit(self._fetch, wanted))
+            self.stats.num_background_fetches += 1
+            self.stats.num_not_yet += 1
+            return None, False
+        else:
+            found = self._fetch(wanted)
         num_blocks = (found.extent if found else 0) // r  # whole vLLM blocks only
         if not num_blocks:
             return 0, False
-        self._matched[request.request_id] = narrow_blocks(found, 0, num_blocks * r)
+        self._matched[req_id] = narrow_blocks(found, 0, num_blocks * r)
         return (first + num_blocks) * bs - num_computed_tokens, False
+
+    @staticmethod
+    def _result(future: Future) -> CacheBuffers | None:
+        """A background fetch's blocks; one that failed is a miss (vLLM recomputes)."""
+        try:
+            return future.result()
+        except Exception as exc:  # noqa: BLE001 - whatever the tiers raised: never a hit
+            log.warning("kvabi: a background fetch failed, the prompt is recomputed: %s", exc)
+            return None
+
+    def _thread(self) -> ThreadPoolExecutor:
+        if self._fetcher is None:
+            self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="kvabi-fetch")
+        return self._fetcher
 
     def _keys(self, ids: list[int], salt: str | None) -> list[BlockKey]:
         """The prompt's full store blocks, hashed as kvabi's engine hashes them. vLLM refuses
@@ -211,6 +268,7 @@ class KvabiConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
         self._requests.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
+        self._fetching.pop(request.request_id, None)  # a fetch still running is left to end
         return False, None
 
     # ---- worker side ----

@@ -7,7 +7,8 @@ Runs in vLLM's interpreter with the repo on PYTHONPATH (like vllm_kv_worker.py):
 Job: {"model_dir", "dtype", "store" (the store's descriptor JSON), "prompts" ([{"ids": [...],
 "cache_salt": optional}]), "max_tokens", "disk_dir" (or null), "redis_url" (or null),
 "connector" (default true: false runs vLLM alone), "prefix_caching" (vLLM's own; default
-false, so that every cached token a request reports came through the connector)}.
+false, so that every cached token a request reports came through the connector), "together"
+(default false: the prompts go to vLLM in one call, all in flight at once, rather than in turn)}.
 The result has each prompt's tokens, cached tokens, wall time and TTFT (from vLLM's request
 metrics), and the worker-side connector's transfer stats.
 """
@@ -52,21 +53,25 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     )
     startup = time.perf_counter() - start
     params = vllm.SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True)
-    runs = []
-    for prompt in job["prompts"]:  # one at a time: each may load what the previous saved
-        begin = time.perf_counter()
-        inputs = {"prompt_token_ids": prompt["ids"]}
+    inputs = []
+    for prompt in job["prompts"]:
+        inputs.append({"prompt_token_ids": prompt["ids"]})
         if prompt.get("cache_salt"):
-            inputs["cache_salt"] = prompt["cache_salt"]
-        out = llm.generate([inputs], params, use_tqdm=False)[0]
-        runs.append(
-            {
-                "tokens": list(out.outputs[0].token_ids),
-                "num_cached_tokens": out.num_cached_tokens,
-                "wall_s": time.perf_counter() - begin,
-                "ttft_s": out.metrics.first_token_latency if out.metrics else None,
-            }
-        )
+            inputs[-1]["cache_salt"] = prompt["cache_salt"]
+    # one at a time (each may load what the previous saved), or all in one call
+    batches = [inputs] if job.get("together") else [[one] for one in inputs]
+    runs = []
+    for batch in batches:
+        begin = time.perf_counter()
+        for out in llm.generate(batch, params, use_tqdm=False):
+            runs.append(
+                {
+                    "tokens": list(out.outputs[0].token_ids),
+                    "num_cached_tokens": out.num_cached_tokens,
+                    "wall_s": time.perf_counter() - begin,
+                    "ttft_s": out.metrics.first_token_latency if out.metrics else None,
+                }
+            )
     return {"startup_s": startup, "runs": runs, "transfer": _transfer_stats(llm, use_connector)}
 
 

@@ -46,6 +46,8 @@ class Runs:
     kvabi_q: list[int]  # kvabi's engine's own tokens on Q
     disk: Path  # A's folder (vLLM's entries)
     b_log: str  # B's stderr
+    a_transfer: dict  # A's connector stats
+    c_transfer: dict  # C's (its prompts all in flight at once)
 
 
 @pytest.fixture(scope="module")
@@ -78,12 +80,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
         _plant_foreign_entry(h, p, 2 * RATIO + 5, server.url)
         prompts_c = [{"ids": p}, {"ids": q, "cache_salt": "baseline"}, {"ids": q}]
         c = run_connector_worker(
-            h, "bf16", prompts_c, "c", disk_dir=str(kvabi_disk), redis_url=server.url
-        )
+            h, "bf16", prompts_c, "c", disk_dir=str(kvabi_disk), redis_url=server.url,
+            together=True,
+        )  # fmt: skip
     finally:
         server.stop()
     b_log = (out / "connector-b.log").read_text(encoding="utf-8")
-    return Runs(h, p, q, a["runs"], b["runs"], c["runs"], kvabi_q, disk, b_log)
+    transfers = a["transfer"], c["transfer"]
+    return Runs(h, p, q, a["runs"], b["runs"], c["runs"], kvabi_q, disk, b_log, *transfers)
 
 
 def _hashes(h: Handoff, ids: list[int]) -> list[bytes]:
@@ -132,6 +136,8 @@ def test_first_instance_saves_then_loads_instead_of_computing(runs: Runs) -> Non
     assert baseline["num_cached_tokens"] == 0 and p["num_cached_tokens"] == 0
     assert p2["num_cached_tokens"] == 3 * BS  # P's blocks, through the connector
     assert p2["tokens"] == baseline["tokens"]
+    # one request at a time: nothing to overlap a fetch with, so it ran in place
+    assert runs.a_transfer["num_background_fetches"] == runs.a_transfer["num_not_yet"] == 0
     num_entries = len(list((runs.disk).rglob("*.kvabi")))
     assert num_entries == 2 * 3 * RATIO  # P's three vLLM blocks, and the baseline's three
 
@@ -154,6 +160,11 @@ def test_second_instance_shares_redis_and_refuses_another_models_entry(runs: Run
 
 def test_vllm_loads_what_kvabi_engine_stored(runs: Runs) -> None:
     baseline, q = runs.c[1:]
+    # C's three prompts were in flight together: Q's hit (the last one asked about) was read
+    # off vLLM's scheduling loop, vLLM told "not yet" meanwhile (P, asked first, had none
+    # beside it: in place; Q salted holds nothing: a miss at once)
+    stats = runs.c_transfer
+    assert stats["num_background_fetches"] == 1 and stats["num_not_yet"] >= 1
     assert baseline["num_cached_tokens"] == 0
     assert q["num_cached_tokens"] == (len(runs.q) - 1) // BS * BS
     assert q["tokens"] == baseline["tokens"]
