@@ -29,6 +29,7 @@ from kvabi.abi.tiled_view import (
     scatter,
     scatter_blocks,
 )
+from kvabi.abi.view_copy import CopyPlan, geometry
 
 GroupViews = list[tuple[tuple[Plane, ...], CanonicalView]]
 
@@ -182,6 +183,10 @@ def reshard(
         d_ids = block_table_for(dst_desc.layout, n, dst_block_ids, outs[0].extent)
         copy_blocks(srcs[0], outs[0], s_ids.tolist(), d_ids.tolist())
         return outs
+    if whole and _is_direct(src_desc, dst_desc, len(srcs)) and _run_plan(srcs[0], outs[0]):
+        for layer_id in owner_layers(src_desc):
+            copy_sidecars(layer_id, srcs[0], outs, num_tokens, src_block_ids, dst_block_ids)
+        return outs
     maps: dict[tuple[int, int], tuple[SlotMap, SlotMap]] = {}
     for layer_id in owner_layers(src_desc):
         src_views = [group_views(s.desc, s.tensors, layer_id) for s in srcs]
@@ -209,6 +214,36 @@ def reshard(
             _copy_tokens(layer_id, srcs, src_views, src_map, outs, dst_views, dst_map)
         copy_sidecars(layer_id, srcs[0], outs, num_tokens, src_block_ids, dst_block_ids)
     return outs
+
+
+_PLANS: dict[tuple, CopyPlan | None] = {}  # by (descriptors, buffer geometries); None: refused
+_MAX_PLANS = 256
+
+
+def _run_plan(src: CacheBuffers, out: CacheBuffers) -> bool:
+    """Copy a whole cache into another layout's buffers by a `CopyPlan` (its views' copies in
+    one C++ call, offsets worked out once per geometry); False where there is none (no kernels,
+    or a copy the kernel does not take): the caller copies view by view."""
+    from kvabi.models.cpu_kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        return False
+    key = (src.desc, out.desc, geometry(src.tensors), geometry(out.tensors))
+    if key not in _PLANS:
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for layer_id in owner_layers(src.desc):
+            src_views = group_views(src.desc, src.tensors, layer_id)
+            dst_views = group_views(out.desc, out.tensors, layer_id)
+            _copy_direct(src_views, dst_views, True, None, src.desc, out.desc, None, None, pairs)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = CopyPlan.build(pairs, out.tensors, src.tensors)
+    plan = _PLANS[key]
+    if plan is None:
+        return False
+    plan.run(out.tensors, src.tensors, kernels)
+    return True
 
 
 def _is_same_blocks(
@@ -286,7 +321,10 @@ def _copy_direct(
     dst_desc: Descriptor,
     src_ids: Sequence[int] | None,
     dst_ids: Sequence[int] | None,
+    pending: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> None:
+    """Copy one layer's planes view to view; with `pending`, a whole cache's (dst, src) views
+    are collected there instead (for a `CopyPlan`)."""
     raw = src_desc.layout.quant != "none"  # identical quantised records: copy them as they are
     pairs = (
         zip(src_views, dst_views, strict=True)
@@ -294,7 +332,9 @@ def _copy_direct(
         else zip(_plane_views(src_views), _plane_views(dst_views), strict=True)
     )
     for (_, sv), (_, dv) in pairs:
-        if whole:
+        if whole and pending is not None:
+            pending.append((dv, sv))
+        elif whole:
             dv.copy_(sv)
         elif not src_desc.layout.is_paged:
             dv[:, :num_tokens].copy_(sv[:, :num_tokens])

@@ -1070,9 +1070,65 @@ void mla_decode_records(const float* q, float* out, const uint8_t* records,
   }
 }
 
+
+// ---- Strided copies of whole views in one call (conversions between layouts) ----
+// Each copy: dst and src byte addresses, `nd` outer dims (up to kCopyDims) of one shape with
+// their byte strides in each, and the contiguous run of `row` bytes both hold innermost. All the
+// copies' (copy, index along its first dim) items are shared out over the threads in one
+// parallel region; within an item the other dims advance the pointers (no division per row).
+constexpr int kCopyDims = 5;
+struct CopySpec {
+  int64_t dst, src, nd, shape[kCopyDims], dst_stride[kCopyDims], src_stride[kCopyDims], row;
+};
+
+inline void copy_row(char* d, const char* s, int64_t row) {
+#if defined(__AVX512F__)
+  if (row % 64 == 0) {
+    for (int64_t b = 0; b < row; b += 64)
+      _mm512_storeu_si512(d + b, _mm512_loadu_si512(s + b));
+    return;
+  }
+#endif
+  std::memcpy(d, s, row);
+}
+
+void copy_views(const CopySpec* specs, int64_t count, int num_threads) {
+  std::vector<int64_t> first(count + 1, 0);  // the item where each copy's items begin
+  for (int64_t c = 0; c < count; ++c) first[c + 1] = first[c] + specs[c].shape[0];
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (first[count] > 1)
+  for (int64_t item = 0; item < first[count]; ++item) {
+    const int64_t c = std::upper_bound(first.begin(), first.end(), item) - first.begin() - 1;
+    const CopySpec& sp = specs[c];
+    const int64_t i0 = item - first[c];
+    char* d = reinterpret_cast<char*>(sp.dst) + i0 * sp.dst_stride[0];
+    const char* s = reinterpret_cast<const char*>(sp.src) + i0 * sp.src_stride[0];
+    int64_t idx[kCopyDims] = {};
+    int64_t rows = 1;
+    for (int i = 1; i < sp.nd; ++i) rows *= sp.shape[i];
+    for (int64_t r = 0; r < rows; ++r) {
+      copy_row(d, s, sp.row);
+      for (int i = static_cast<int>(sp.nd) - 1; i >= 1; --i) {  // odometer over dims 1..nd-1
+        d += sp.dst_stride[i];
+        s += sp.src_stride[i];
+        if (++idx[i] < sp.shape[i]) break;
+        d -= sp.dst_stride[i] * sp.shape[i];
+        s -= sp.src_stride[i] * sp.shape[i];
+        idx[i] = 0;
+      }
+    }
+  }
+}
 }  // namespace
 
 extern "C" {
+// specs: `count` CopySpec (see copy_views). Returns 0, -1 for a spec it cannot take.
+int kvabi_copy_views(const void* specs, int64_t count, int num_threads) {
+  const auto* sp = static_cast<const CopySpec*>(specs);
+  for (int64_t c = 0; c < count; ++c)
+    if (sp[c].nd < 1 || sp[c].nd > kCopyDims || sp[c].row < 1) return -1;
+  copy_views(sp, count, num_threads);
+  return 0;
+}
 
 // MLA decode over fp8_ds_mla records (above); returns 0.
 int kvabi_mla_decode_records(const void* q, void* out, const void* records, int64_t block_stride,

@@ -162,6 +162,7 @@ class CpuKernels:
             + [c_int, c_float, c_int],
             "kvabi_mla_decode_records": [ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i64, c_int]
             + [c_float, c_int],
+            "kvabi_copy_views": [ptr, i64, c_int],
         }
         lib.kvabi_paged_decode_variant.argtypes = [c_int, c_int, c_int]
         lib.kvabi_paged_decode_variant.restype = c_int
@@ -183,6 +184,14 @@ class CpuKernels:
         code = self._fns[name](*args, torch.get_num_threads())
         if code != 0:
             raise RuntimeError(f"{name} failed with code {code}")
+
+    def copy_views(self, specs: torch.Tensor) -> None:
+        """Run the strided copies `specs` describes ([count, 19] int64 rows: dst and src
+        addresses, outer dims, shape, byte strides of each, row bytes; `kvabi/abi/view_copy.py`
+        builds them) in one call."""
+        if specs.dtype != torch.int64 or specs.dim() != 2 or not specs.is_contiguous():
+            raise ValueError("copy_views: specs must be a contiguous [count, 19] int64 tensor")
+        self._call("kvabi_copy_views", specs.data_ptr(), specs.shape[0])
 
     @staticmethod
     def paged_decode_gap(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:

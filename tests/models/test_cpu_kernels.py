@@ -320,3 +320,18 @@ def test_mla_decode_over_fp8_ds_mla_records_equals_the_torch_path(kernels, heads
     assert kernels.mla_records_supports(q, records)
     assert not kernels.mla_records_supports(q[..., :512], records)
     assert not kernels.mla_records_supports(q, records.float())
+
+
+@pytest.mark.parametrize("width", [64, 24])  # rows of 128 bytes (vector path) and of 48
+def test_copy_views_equals_torch_copy(kernels, width):
+    from kvabi.abi.view_copy import CopyPlan
+
+    src = {"s": torch.randn(2, 6, 16, 3, width).bfloat16()}
+    dst = {"d": torch.zeros(2, 6, 3, 16, width).bfloat16()}
+    pairs = [(dst["d"][p].permute(0, 2, 1, 3), src["s"][p]) for p in range(2)]
+    plan = CopyPlan.build(pairs, dst, src)
+    assert plan is not None and plan.specs.shape[0] == 2
+    plan.run(dst, src, kernels)
+    assert all(torch.equal(d, s) for d, s in pairs)
+    with pytest.raises(ValueError, match="int64"):
+        kernels.copy_views(plan.specs.int())

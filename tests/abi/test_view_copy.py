@@ -1,0 +1,80 @@
+"""`CopyPlan`: whole-cache conversions between layouts of the same values as one C++ call over
+offsets worked out once per geometry, against the view-by-view `copy_` path it replaces."""
+
+import pytest
+import torch
+
+from kvabi.abi import convert as convert_module
+from kvabi.abi.buffers import CacheBuffers, allocate
+from kvabi.abi.catalog import catalog_model
+from kvabi.abi.convert import convert
+from kvabi.abi.presets import preset_descriptor
+from kvabi.abi.view_copy import CopyPlan, _spec
+from kvabi.models.cpu_kernels import cpu_kernels
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no C++ kernels here")
+MODEL = catalog_model("smollm2-135m")
+PAIRS = [
+    ("vllm-flash-attn", "vllm-flash-attn-hnd"),
+    ("vllm-flash-attn", "vllm-flashinfer"),
+    ("vllm-flash-attn", "vllm-lbnhc"),
+    ("vllm-flashinfer-hnd", "vllm-lbhnc"),
+    ("vllm-flash-attn", "vllm-flash-attn-xl-hnd"),
+    ("vllm-flash-attn", "trtllm"),
+]
+
+
+def _random(name: str, blocks: int, seed: int) -> CacheBuffers:
+    desc = preset_descriptor(name, MODEL, block_size=16)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = allocate(desc, blocks)
+    return CacheBuffers(desc, {k: torch.randn(v.shape, generator=gen).to(v.dtype)
+                               for k, v in tensors.items()})  # fmt: skip
+
+
+def _reference(src: CacheBuffers, dst_name: str, monkeypatch) -> CacheBuffers:
+    with monkeypatch.context() as m:
+        m.setattr(convert_module, "_run_plan", lambda *_: False)  # view by view
+        return convert(src, preset_descriptor(dst_name, MODEL, block_size=16))
+
+
+@pytest.mark.parametrize(("src_name", "dst_name"), PAIRS)
+def test_a_plan_equals_the_view_by_view_copy_and_serves_other_buffers(
+    src_name, dst_name, monkeypatch
+):
+    runs = []
+    calls = cpu_kernels().copy_views
+    monkeypatch.setattr(type(cpu_kernels()), "copy_views", lambda k, s: (runs.append(1), calls(s)))
+    dst_desc = preset_descriptor(dst_name, MODEL, block_size=16)
+    convert_module._PLANS.clear()
+    for seed in (1, 2):  # the second conversion reuses the first's plan on other buffers
+        src = _random(src_name, 5, seed)
+        got, want = convert(src, dst_desc), _reference(src, dst_name, monkeypatch)
+        assert got.tensors.keys() == want.tensors.keys()
+        for key, t in want.tensors.items():
+            assert torch.equal(got.tensors[key], t), (seed, key)
+    assert len(runs) == 2 and len(convert_module._PLANS) == 1
+    # and into a given destination whose buffers are laid out alike
+    out = CacheBuffers.empty(dst_desc, 5)
+    src = _random(src_name, 5, 3)
+    convert(src, dst_desc, out=out)
+    want = _reference(src, dst_name, monkeypatch)
+    assert all(torch.equal(out.tensors[k], t) for k, t in want.tensors.items())
+
+
+def test_copies_it_cannot_take_give_no_plan():
+    a, b = torch.zeros(4, 8, 16), torch.zeros(4, 8, 16)
+    assert CopyPlan.build([(a, b.double())], {"a": a}, {"b": b}) is None  # dtypes differ
+    assert (
+        CopyPlan.build([(a, b.transpose(1, 2).contiguous().transpose(1, 2))], {"a": a}, {"b": b})
+        is None
+    )  # fmt: skip (innermost not contiguous)
+    assert CopyPlan.build([(a, torch.zeros(4, 8, 16))], {"a": a}, {"b": b}) is None  # elsewhere
+
+
+def test_contiguous_dims_merge_into_rows():
+    a, b = torch.zeros(4, 8, 16), torch.zeros(4, 8, 16)
+    spec = _spec(a, b)  # all contiguous in both: one row of the whole tensor
+    assert spec[2] == 1 and spec[3] == 1 and spec[-1] == a.numel() * 4
+    spec = _spec(a.permute(1, 0, 2), b.permute(1, 0, 2).contiguous())  # two outer dims left
+    assert spec[2] == 2 and spec[3:5] == [8, 4] and spec[-1] == 16 * 4
