@@ -4,6 +4,7 @@ import ast
 from pathlib import Path
 
 LAYERS = [
+    "native",
     "abi",
     "wire",
     "cache",

@@ -30,6 +30,7 @@ from kvabi.abi.tiled_view import (
     scatter_blocks,
 )
 from kvabi.abi.view_copy import CopyPlan, geometry
+from kvabi.native.cpu_kernels import cpu_kernels
 
 GroupViews = list[tuple[tuple[Plane, ...], CanonicalView]]
 
@@ -224,8 +225,6 @@ def _run_plan(src: CacheBuffers, out: CacheBuffers) -> bool:
     """Copy a whole cache into another layout's buffers by a `CopyPlan` (its views' copies in
     one C++ call, offsets worked out once per geometry); False where there is none (no kernels,
     or a copy the kernel does not take): the caller copies view by view."""
-    from kvabi.models.cpu_kernels import cpu_kernels
-
     kernels = cpu_kernels()
     if kernels is None:
         return False

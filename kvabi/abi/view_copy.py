@@ -7,7 +7,7 @@ cores for SmolLM2's 64 blocks (23.6 MB, 60 planes), building the views cost 0.74
 0.52 in all. A plan records each copy once per (source layout, destination layout, buffer
 shapes and strides) as offsets into the buffers, so a conversion between buffers of that
 geometry adds the buffers' addresses to the offsets and hands every copy to
-`kvabi_copy_views` (kvabi/models/cpu_kernels.cpp) in one parallel region, a contiguous row
+`kvabi_copy_views` (kvabi/native/cpu_kernels.cpp) in one parallel region, a contiguous row
 at a time. Copies it cannot take (differing dtypes or shapes, an innermost dim not contiguous
 in both, more dims than a spec holds) make `CopyPlan.build` return None: the caller copies
 view by view as before. No kernels, no plan.

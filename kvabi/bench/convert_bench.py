@@ -14,7 +14,7 @@ from kvabi.abi.convert import convert
 from kvabi.abi.presets import preset_descriptor
 from kvabi.abi.table import print_table
 from kvabi.bench.report import is_disturbed, paired, plain_copy_gbps, write_json
-from kvabi.models.cpu_kernels import cpu_name
+from kvabi.native.cpu_kernels import cpu_name
 
 # (source preset, destination preset, destination overrides); all share one block size
 PAIRS = [

@@ -25,7 +25,7 @@ from kvabi.abi.table import print_table
 from kvabi.bench.report import write_json
 from kvabi.engine.llm import LLM
 from kvabi.engine.sampling_params import SamplingParams
-from kvabi.models.cpu_kernels import cpu_kernels, cpu_name, kernel_status
+from kvabi.native.cpu_kernels import cpu_kernels, cpu_name, kernel_status
 
 PROMPT = "Once upon a time, in a small town by the sea,"
 BATCHES = (1, 16)

@@ -28,8 +28,8 @@ from kvabi.bench.mla_accuracy import teacher_forced
 from kvabi.bench.mla_decode import BATCHES, decode_rates
 from kvabi.bench.mla_models import MLAShape, random_deepseek_v3, random_prompts
 from kvabi.bench.report import write_json
-from kvabi.models.cpu_kernels import has_native_bf16, kernel_status
 from kvabi.models.registry import load_model
+from kvabi.native.cpu_kernels import has_native_bf16, kernel_status
 
 PLAN_CONTEXT = 131072
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

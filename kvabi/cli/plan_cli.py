@@ -146,7 +146,7 @@ def _print_memory(desc: Descriptor, context: int, concurrency: int) -> None:
 
 def _print_paths(desc: Descriptor, model: PlannedModel) -> None:
     from kvabi.engine.attention_plan import attention_paths, compute_dtype, fused_decode_gap
-    from kvabi.models.cpu_kernels import cpu_name, kernel_status
+    from kvabi.native.cpu_kernels import cpu_name, kernel_status
 
     rows = [
         [p.group.group_id, _ranges(p.layer_ids) + (" (shared)" if p.readers else ""),

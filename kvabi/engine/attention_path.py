@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvabi.cache.kv_storage import KVStorage
-from kvabi.models.cpu_kernels import CpuKernels, kernel_status
+from kvabi.native.cpu_kernels import CpuKernels, kernel_status
 
 MLA_PREFILL = "MLA prefill: no native kernel"
 SPARSE_MLA = "DeepSeek V3.2 indexer: top-k sparse attention (engine/sparse_mla.py)"

@@ -30,7 +30,7 @@ from kvabi.engine.attention_path import (
 from kvabi.engine.fused_decode import FusedDecode
 from kvabi.engine.paged_attention import LayerKV
 from kvabi.models.checkpoint import parse_dtype
-from kvabi.models.cpu_kernels import CpuKernels, cpu_kernels
+from kvabi.native.cpu_kernels import CpuKernels, cpu_kernels
 
 GENERAL = "torch SDPA"  # the general path's name in the report
 

@@ -4,7 +4,7 @@ AVX512-BF16).
 The per-layer forward (`LlamaModel.hidden_states` with the C++ kernels and packed GEMMs) calls
 about a dozen ops per layer from Python; at decode sizes each op's work is tens of microseconds,
 so their dispatch cost about as much as the GEMMs. Here the embedding, RoPE tables and final norm
-stay in torch and the layers run in `kvabi_decode_layers` (kvabi/models/cpu_kernels.cpp): the
+stay in torch and the layers run in `kvabi_decode_layers` (kvabi/native/cpu_kernels.cpp): the
 same ops in the same order with the same kernels, so its output equals the per-layer path's bit
 for bit (tests/engine/test_fused_decode.py).
 
@@ -20,9 +20,9 @@ import torch
 from kvabi.cache.kv_storage import KVStorage
 from kvabi.engine.attention_path import no_kernels
 from kvabi.engine.paged_attention import StepContext
-from kvabi.models.cpu_kernels import CpuKernels, DecodeLayer, DecodeShape
 from kvabi.models.llama import LlamaModel
 from kvabi.models.packed_linear import PackedLinear
+from kvabi.native.cpu_kernels import CpuKernels, DecodeLayer, DecodeShape
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -6,7 +6,7 @@ Three backends compute the same thing: `reference` (one sequence at a time, plai
 easy to read), `batched` (all single-token decodes of the step in one padded SDPA call; chunks of
 prefill per sequence) and `native` (as `batched`, but decodes go to a C++ kernel that reads K/V in
 place through the block tables, and bf16 prefill chunks on a CPU with AMX to a C++ tile kernel:
-`kvabi/models/cpu_kernels.py`; where they cannot be built, `batched` runs).
+`kvabi/native/cpu_kernels.py`; where they cannot be built, `batched` runs).
 Tests compare them.
 
 A hybrid model's layers belong to block groups (kvabi/cache/block_groups.py): each group has
@@ -42,8 +42,8 @@ from kvabi.engine.press import PressJob
 from kvabi.engine.sparse_mla import attend_sparse_mla
 from kvabi.models.attention import causal_mask
 from kvabi.models.compressed_attention import V4Query
-from kvabi.models.cpu_kernels import CpuKernels, cpu_kernels
 from kvabi.models.sparse_attention import IndexerQuery
+from kvabi.native.cpu_kernels import CpuKernels, cpu_kernels
 
 BACKENDS = ("native", "batched", "reference")
 

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import torch
 
 from kvabi.models.config import ModelConfig
-from kvabi.models.cpu_kernels import has_native_bf16
 from kvabi.models.deepseek_v3 import DeepseekV3Model
 from kvabi.models.deepseek_v3_config import DeepseekV3Config
 from kvabi.models.deepseek_v4 import DeepseekV4Model
@@ -20,6 +19,7 @@ from kvabi.models.gemma4_config import Gemma4Config
 from kvabi.models.laguna import LagunaModel
 from kvabi.models.laguna_config import LagunaConfig
 from kvabi.models.llama import LlamaModel
+from kvabi.native.cpu_kernels import has_native_bf16
 
 AnyConfig = (
     ModelConfig | Gemma3Config | Gemma4Config | LagunaConfig | DeepseekV3Config | DeepseekV4Config

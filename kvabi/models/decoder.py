@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvabi.models.attention import AttentionFn
-from kvabi.models.cpu_kernels import CpuKernels
 from kvabi.models.packed_linear import PackedLinear
+from kvabi.native.cpu_kernels import CpuKernels
 
 
 class Decoder(nn.Module):

@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from kvabi.models.attention import AttentionFn
-from kvabi.models.cpu_kernels import CpuKernels
 from kvabi.models.decoder import TypedLayerDecoder
 from kvabi.models.gemma3_config import FULL, SLIDING, Gemma3Config
 from kvabi.models.gemma4 import Gemma4MLP, ScaledEmbedding
 from kvabi.models.rope import FrequencyRope, apply_rope, scaled_inv_freq
+from kvabi.native.cpu_kernels import CpuKernels
 
 
 class Gemma3RMSNorm(nn.Module):

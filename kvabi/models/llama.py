@@ -16,10 +16,10 @@ from torch import nn
 
 from kvabi.models.attention import AttentionFn
 from kvabi.models.config import ModelConfig
-from kvabi.models.cpu_kernels import CpuKernels
 from kvabi.models.decoder import Decoder
 from kvabi.models.packed_linear import PackedLinear
 from kvabi.models.rope import RotaryEmbedding, apply_rope
+from kvabi.native.cpu_kernels import CpuKernels
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # a partial output -> the ranks' sum
 

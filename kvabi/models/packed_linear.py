@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvabi.models.cpu_kernels import CpuKernels
+from kvabi.native.cpu_kernels import CpuKernels
 
 PACK_ROWS_HINT = 16  # the row count oneDNN/MKL packing is tuned for; any row count works
 # the packed GEMM matches or beats oneDNN up to here (per kind; bench in the docstring)

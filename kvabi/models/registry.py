@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 from kvabi.models.checkpoint import AnyConfig, AnyModel, Checkpoint
-from kvabi.models.cpu_kernels import cpu_kernels
 from kvabi.models.gguf_loader import load_gguf, open_gguf, read_config
 from kvabi.models.hf_loader import load_hf, load_hf_config
 from kvabi.models.tokenizer import Tokenizer
+from kvabi.native.cpu_kernels import cpu_kernels
 
 log = logging.getLogger("kvabi.models")
 

@@ -10,7 +10,7 @@ from kvabi.abi.catalog import catalog_model
 from kvabi.abi.convert import convert
 from kvabi.abi.presets import preset_descriptor
 from kvabi.abi.view_copy import CopyPlan, _spec
-from kvabi.models.cpu_kernels import cpu_kernels
+from kvabi.native.cpu_kernels import cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no C++ kernels here")
 MODEL = catalog_model("smollm2-135m")

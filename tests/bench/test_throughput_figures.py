@@ -11,7 +11,7 @@ from kvabi.bench.throughput import (
     dtype_names,
     gguf_quant,
 )
-from kvabi.models.cpu_kernels import has_native_bf16
+from kvabi.native.cpu_kernels import has_native_bf16
 
 
 def _result(ttft, decode, concurrent, tokens):

@@ -20,9 +20,9 @@ from kvabi.engine.engine import EngineConfig, LLMEngine
 from kvabi.engine.sampling_params import SamplingParams
 from kvabi.models import load_model
 from kvabi.models.config import ModelConfig
-from kvabi.models.cpu_kernels import CpuKernels, cpu_kernels
 from kvabi.models.llama import LlamaModel
 from kvabi.models.registry import LoadedModel, query_heads
+from kvabi.native.cpu_kernels import CpuKernels, cpu_kernels
 from tests.engine.tiny import EOS, tiny_tokenizer
 from tests.models import test_deepseek_v3, test_gemma4, test_laguna
 from tests.models.test_registry import _write_tokenizer as write_tokenizer

@@ -187,7 +187,7 @@ def test_a_sliding_window_model_attends_within_its_window_past_it():
 def test_engines_sharing_a_loaded_model_cannot_change_each_others_paths():
     """The model is prepared (packed, fused, kernels) when it is loaded, not by the first
     engine built over it: an engine on the reference backend first changes nothing."""
-    from kvabi.models.cpu_kernels import cpu_kernels
+    from kvabi.native.cpu_kernels import cpu_kernels
 
     loaded = tiny_loaded()
     model = loaded.model

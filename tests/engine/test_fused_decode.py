@@ -7,7 +7,7 @@ import torch
 from kvabi.engine.engine import EngineConfig, LLMEngine
 from kvabi.engine.fused_decode import FusedDecode
 from kvabi.engine.sampling_params import SamplingParams
-from kvabi.models.cpu_kernels import cpu_kernels
+from kvabi.native.cpu_kernels import cpu_kernels
 from tests.engine.tiny import run_all, tiny_loaded
 
 KERNELS = cpu_kernels()

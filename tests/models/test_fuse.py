@@ -25,7 +25,7 @@ def test_fused_projections_keep_outputs_and_the_state_dict(tmp_path):
 
 
 def test_fused_cpu_kernels_keep_the_model_outputs():
-    from kvabi.models.cpu_kernels import cpu_kernels
+    from kvabi.native.cpu_kernels import cpu_kernels
     from tests.engine.tiny import tiny_loaded
 
     kernels = cpu_kernels()

@@ -98,8 +98,8 @@ def test_kv_layers_give_sliding_layers_their_window(pair: Any) -> None:
 def test_bf16_runs_its_gemms_on_packed_weights_with_the_same_logits(pair: Any) -> None:
     import copy
 
-    from kvabi.models.cpu_kernels import cpu_kernels
     from kvabi.models.packed_linear import PackedLinear
+    from kvabi.native.cpu_kernels import cpu_kernels
 
     plain = copy.deepcopy(pair[1]).to(torch.bfloat16)
     packed = copy.deepcopy(plain).fuse_projections(kernels=cpu_kernels())

@@ -33,8 +33,8 @@ def test_packing_happens_where_the_library_has_it_and_is_optional():
 
 
 def test_tile_packing_where_the_kernels_have_a_packed_gemm():
-    from kvabi.models.cpu_kernels import cpu_kernels
     from kvabi.models.packed_linear import GEMM_MAX_ROWS
+    from kvabi.native.cpu_kernels import cpu_kernels
 
     kernels = cpu_kernels()
     if kernels is None or kernels.gemm is None:

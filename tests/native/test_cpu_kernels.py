@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvabi.models.cpu_kernels import ISA_TARGETS, cpu_kernels, isa_gap, kernel_status
 from kvabi.models.llama import RMSNorm
 from kvabi.models.rope import apply_rope
+from kvabi.native.cpu_kernels import ISA_TARGETS, cpu_kernels, isa_gap, kernel_status
 
 DTYPES = [torch.float32, torch.bfloat16]
 

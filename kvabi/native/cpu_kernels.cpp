@@ -2,8 +2,8 @@
 // (RMSNorm with the residual add, SiLU-and-mul, RoPE in place). torch runs each of the latter as
 // 3-8 separate passes over memory, with slow bf16 paths; here each is one pass.
 //
-// Built and loaded by kvabi/models/cpu_kernels.py (g++ -O3 -march=native -fopenmp, plain C ABI,
-// called through ctypes); tests/models/test_cpu_kernels.py compares each with its torch
+// Built and loaded by kvabi/native/cpu_kernels.py (g++ -O3 -march=native -fopenmp, plain C ABI,
+// called through ctypes); tests/native/test_cpu_kernels.py compares each with its torch
 // reference. dtype codes: 0 = float32, 1 = bfloat16. Arithmetic is float32; for bf16 the
 // intermediate roundings of the torch reference are reproduced where it rounds (rnd<T>), so the
 // results agree with it to the last bit or within an ulp.
