@@ -15,7 +15,7 @@ import torch
 
 from kvabi.abi.block_copy import can_copy, copy_blocks
 from kvabi.abi.buffers import CacheBuffers, group_views, owner_layers
-from kvabi.abi.codec import decode, encode
+from kvabi.abi.codec import _scale, decode, encode
 from kvabi.abi.compat import check_compatible
 from kvabi.abi.descriptor import ATTN, Descriptor, Layout, Plane
 from kvabi.abi.errors import IncompatibleError
@@ -29,7 +29,7 @@ from kvabi.abi.tiled_view import (
     scatter,
     scatter_blocks,
 )
-from kvabi.abi.view_copy import CopyPlan, geometry
+from kvabi.abi.view_copy import TO_E4M3, TO_INT8_ROWS, CopyPlan, RowOp, geometry
 from kvabi.native.cpu_kernels import cpu_kernels
 
 GroupViews = list[tuple[tuple[Plane, ...], CanonicalView]]
@@ -184,7 +184,8 @@ def reshard(
         d_ids = block_table_for(dst_desc.layout, n, dst_block_ids, outs[0].extent)
         copy_blocks(srcs[0], outs[0], s_ids.tolist(), d_ids.tolist())
         return outs
-    if whole and _is_direct(src_desc, dst_desc, len(srcs)) and _run_plan(srcs[0], outs[0]):
+    planned = _is_direct(src_desc, dst_desc, len(srcs)) or _is_row_codec(srcs, dst_desc)
+    if whole and planned and _run_plan(srcs[0], outs[0]):
         for layer_id in owner_layers(src_desc):
             copy_sidecars(layer_id, srcs[0], outs, num_tokens, src_block_ids, dst_block_ids)
         return outs
@@ -222,27 +223,63 @@ _MAX_PLANS = 256
 
 
 def _run_plan(src: CacheBuffers, out: CacheBuffers) -> bool:
-    """Copy a whole cache into another layout's buffers by a `CopyPlan` (its views' copies in
-    one C++ call, offsets worked out once per geometry); False where there is none (no kernels,
-    or a copy the kernel does not take): the caller copies view by view."""
+    """Convert a whole cache into another layout's buffers by a `CopyPlan`: its views' copies
+    (or, into an fp8 per-tensor or int8 per-token-head layout, their rows' quantisation) in one
+    C++ call, offsets worked out once per geometry. False where there is none (no kernels, or a
+    view the kernel does not take): the caller converts view by view."""
     kernels = cpu_kernels()
     if kernels is None:
         return False
     key = (src.desc, out.desc, geometry(src.tensors), geometry(out.tensors))
     if key not in _PLANS:
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for layer_id in owner_layers(src.desc):
-            src_views = group_views(src.desc, src.tensors, layer_id)
-            dst_views = group_views(out.desc, out.tensors, layer_id)
-            _copy_direct(src_views, dst_views, True, None, src.desc, out.desc, None, None, pairs)
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.pop(next(iter(_PLANS)))
-        _PLANS[key] = CopyPlan.build(pairs, out.tensors, src.tensors)
+        _PLANS[key] = _plan(src, out)
     plan = _PLANS[key]
     if plan is None:
         return False
     plan.run(out.tensors, src.tensors, kernels)
     return True
+
+
+def _plan(src: CacheBuffers, out: CacheBuffers) -> CopyPlan | None:
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    ops: list[RowOp] = []
+    for layer_id in owner_layers(src.desc):
+        src_views = group_views(src.desc, src.tensors, layer_id)
+        dst_views = group_views(out.desc, out.tensors, layer_id)
+        if _is_direct(src.desc, out.desc, 1):
+            _copy_direct(src_views, dst_views, True, None, src.desc, out.desc, None, None, pairs)
+            continue
+        planes = {p.name: view for (p,), view in _plane_views(src_views)}
+        lay = out.desc.layout
+        for group, view in dst_views:
+            if len(group) != 1:  # a row's scale would cover several planes
+                return None
+            pairs.append((view, planes[group[0].name]))
+            if lay.quant == "per_token_head":
+                ops.append(RowOp(TO_INT8_ROWS))
+            else:
+                ops.append(RowOp(TO_E4M3, _scale(lay, layer_id, group[0])))
+    return CopyPlan.build(pairs, out.tensors, src.tensors, ops or None)
+
+
+def _is_row_codec(srcs: Sequence[CacheBuffers], dst_desc: Descriptor) -> bool:
+    """Whether a whole cache of bf16 values goes into `dst_desc`'s fp8 e4m3 per-tensor or int8
+    per-token-head rows with nothing else changing (a `CopyPlan` with row ops takes it)."""
+    s, d, src = srcs[0].desc.layout, dst_desc.layout, srcs[0].desc
+    return (
+        len(srcs) == 1
+        and s.quant == "none"
+        and s.dtype == "bf16"
+        and (d.quant, d.dtype) in (("per_tensor", "fp8_e4m3"), ("per_token_head", "int8"))
+        and (s.tp_size, s.tp_rank) == (d.tp_size, d.tp_rank)
+        and src.model.rope_pairing == dst_desc.model.rope_pairing
+        and s.is_paged == d.is_paged
+        and s.block_size == d.block_size
+        and not (s.is_tiled or d.is_tiled)
+        and all(layer.kind == ATTN for layer in src.model.layers)
+    )
 
 
 def _is_same_blocks(

@@ -21,8 +21,19 @@ from dataclasses import dataclass
 import torch
 
 COPY_DIMS = 5  # outer dims a spec holds (kCopyDims in cpu_kernels.cpp)
-# one spec: dst, src, nd, shape[COPY_DIMS], dst strides, src strides (bytes), row bytes
-SPEC_WIDTH = 3 + 3 * COPY_DIMS + 1
+# one spec: dst, src, nd, shape[COPY_DIMS], dst strides, src strides (bytes), row, op, scale
+SPEC_WIDTH = 3 + 3 * COPY_DIMS + 3
+# how a row moves (RowOp in cpu_kernels.cpp): its bytes; bf16 -> fp8 e4m3 of x / scale,
+# saturated; bf16 -> int8 and a float32 scale per row (kvabi's per_token_head codec)
+COPY, TO_E4M3, TO_INT8_ROWS = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class RowOp:
+    """What a copy does to each innermost row (`COPY`, `TO_E4M3` with `scale`, `TO_INT8_ROWS`)."""
+
+    op: int = COPY
+    scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -42,13 +53,14 @@ class CopyPlan:
         pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
         dst_buffers: Mapping[str, torch.Tensor],
         src_buffers: Mapping[str, torch.Tensor],
+        ops: Sequence[RowOp] | None = None,
     ) -> CopyPlan | None:
-        """The plan for `dst.copy_(src)` over `pairs` of views into these buffers, or None
-        where a pair is not a plain strided copy the kernel takes."""
+        """The plan for `dst.copy_(src)` over `pairs` of views into these buffers (or, with
+        `ops`, each pair's row op), or None where a pair is not one the kernel takes."""
         dst_names, src_names = tuple(dst_buffers), tuple(src_buffers)
         rows, dst_index, src_index = [], [], []
-        for dst, src in pairs:
-            spec = _spec(dst, src)
+        for i, (dst, src) in enumerate(pairs):
+            spec = _spec(dst, src, ops[i] if ops is not None else RowOp())
             if spec is None:
                 return None
             if not spec:
@@ -104,32 +116,45 @@ def _locate(view: torch.Tensor, buffers: Mapping[str, torch.Tensor]) -> tuple[st
     return None, 0
 
 
-def _spec(dst: torch.Tensor, src: torch.Tensor) -> list[int] | None:
+def _spec(dst: torch.Tensor, src: torch.Tensor, op: RowOp | None = None) -> list[int] | None:
     """The pair as a kernel spec with absolute addresses ([] for no elements), or None if it is
-    not a plain strided copy the kernel takes."""
-    if dst.shape != src.shape or dst.dtype != src.dtype or dst.dim() == 0:
+    not one the kernel takes: a plain strided copy (one dtype), or `op`'s conversion of bf16
+    rows (the innermost dim; int8 rows 4 bytes longer, for the scale)."""
+    op = op or RowOp()
+    if dst.dim() == 0 or dst.dim() != src.dim() or dst.shape[:-1] != src.shape[:-1]:
         return None
     if dst.device.type != "cpu" or src.device.type != "cpu":
         return None
+    width = src.shape[-1] + (4 if op.op == TO_INT8_ROWS else 0)
+    if dst.shape[-1] != width or dst.stride(-1) != 1 or src.stride(-1) != 1:
+        return None
+    if op.op == COPY and dst.dtype != src.dtype:
+        return None
+    if op.op != COPY and (src.dtype != torch.bfloat16 or dst.element_size() != 1):
+        return None
     if dst.numel() == 0:
         return []
-    dims = [d for d in zip(dst.shape, dst.stride(), src.stride(), strict=True) if d[0] != 1]
-    dims = dims or [(1, 1, 1)]
-    merged = [dims[-1]]
-    for n, a, b in reversed(dims[:-1]):  # merge a dim into the one inside it where both allow
-        inner_n, inner_a, inner_b = merged[0]
-        if a == inner_n * inner_a and b == inner_n * inner_b:
-            merged[0] = (n * inner_n, inner_a, inner_b)
+    # the outer dims (rows of values stay whole: a converted row is not merged with others)
+    outer = list(zip(dst.shape[:-1], dst.stride()[:-1], src.stride()[:-1], strict=True))
+    dims = [d for d in outer if d[0] != 1]
+    row_n = src.shape[-1]
+    if op.op == COPY:  # merge outer dims into the row where both are contiguous
+        while dims and dims[-1][1] == row_n and dims[-1][2] == row_n:
+            row_n *= dims.pop()[0]
+    merged: list[tuple[int, int, int]] = []
+    for n, a, b in reversed(dims):  # merge a dim into the one inside it where both allow
+        if merged and a == merged[0][0] * merged[0][1] and b == merged[0][0] * merged[0][2]:
+            merged[0] = (n * merged[0][0], merged[0][1], merged[0][2])
         else:
             merged.insert(0, (n, a, b))
-    row_n, row_a, row_b = merged.pop()
-    if row_a != 1 or row_b != 1 or len(merged) > COPY_DIMS:
+    if len(merged) > COPY_DIMS:
         return None
-    size = dst.element_size()
     merged = merged or [(1, 0, 0)]
     pad = COPY_DIMS - len(merged)
     shape = [n for n, _, _ in merged] + [1] * pad
-    dst_strides = [a * size for _, a, _ in merged] + [0] * pad
-    src_strides = [b * size for _, _, b in merged] + [0] * pad
+    dst_strides = [a * dst.element_size() for _, a, _ in merged] + [0] * pad
+    src_strides = [b * src.element_size() for _, _, b in merged] + [0] * pad
+    row = row_n * src.element_size() if op.op == COPY else row_n
+    scale_bits = int(torch.tensor(op.scale, dtype=torch.float32).view(torch.int32).item())
     return [dst.data_ptr(), src.data_ptr(), len(merged), *shape, *dst_strides, *src_strides,
-            row_n * size]  # fmt: skip
+            row, op.op, scale_bits & 0xFFFFFFFF]  # fmt: skip

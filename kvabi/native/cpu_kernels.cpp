@@ -1073,12 +1073,23 @@ void mla_decode_records(const float* q, float* out, const uint8_t* records,
 
 // ---- Strided copies of whole views in one call (conversions between layouts) ----
 // Each copy: dst and src byte addresses, `nd` outer dims (up to kCopyDims) of one shape with
-// their byte strides in each, and the contiguous run of `row` bytes both hold innermost. All the
-// copies' (copy, index along its first dim) items are shared out over the threads in one
-// parallel region; within an item the other dims advance the pointers (no division per row).
+// their byte strides in each, and an innermost row contiguous in both, moved by `op`:
+//   kCopyBytes     `row` bytes as they are;
+//   kBf16ToE4m3    `row` bf16 values -> fp8 e4m3fn bytes of x / scale, saturated at +-448, as
+//                  torch's `(x / scale).clamp(-448, 448).to(float8_e4m3fn)` on a bf16 x (the
+//                  quotient rounded to bf16 first; e4m3 by round to nearest even);
+//   kBf16ToInt8Row `row` bf16 values -> `row` int8 and the row's float32 scale after them, as
+//                  kvabi's per-token-head codec in bf16 (codec.py): scale = bf16(amax / 127)
+//                  (1 for an all-zero row), q = round-half-even(bf16(x / scale)) in +-127.
+// All the copies' (copy, index along its first dim) items are shared out over the threads in
+// one parallel region; within an item the other dims advance the pointers (no division per row).
 constexpr int kCopyDims = 5;
+enum RowOp : int64_t { kCopyBytes = 0, kBf16ToE4m3 = 1, kBf16ToInt8Row = 2 };
 struct CopySpec {
   int64_t dst, src, nd, shape[kCopyDims], dst_stride[kCopyDims], src_stride[kCopyDims], row;
+  int64_t op;
+  float scale;  // kBf16ToE4m3's divisor
+  int32_t pad;
 };
 
 inline void copy_row(char* d, const char* s, int64_t row) {
@@ -1090,6 +1101,53 @@ inline void copy_row(char* d, const char* s, int64_t row) {
   }
 #endif
   std::memcpy(d, s, row);
+}
+
+// |a| <= 448 (or NaN) -> the e4m3fn bits of its magnitude, round to nearest even; branch-free
+// so that the row loop vectorizes.
+inline uint32_t e4m3_magnitude(float a) {
+  const uint32_t bits = __builtin_bit_cast(uint32_t, a);
+  const uint32_t rounded = bits + 0x7ffffu + ((bits >> 20) & 1u);  // 3 mantissa bits kept
+  const uint32_t normal = ((((rounded >> 23) - 120u) << 3) | ((rounded >> 20) & 7u)) & 0x7fu;
+  // below 2^-6: multiples of 2^-9, rounded to nearest even by the 1.5 * 2^23 trick
+  const uint32_t sub = static_cast<uint32_t>((a * 512.0f + 12582912.0f) - 12582912.0f);
+  const uint32_t q = a < 0.015625f ? sub : normal;
+  return a != a ? 0x7fu : q;
+}
+
+void bf16_to_e4m3_row(uint8_t* d, const uint16_t* s, int64_t n, float scale) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    float x = to_f32(s[i]);
+    if (scale != 1.0f) x = rnd<uint16_t>(x / scale);
+    x = std::min(std::max(x, -448.0f), 448.0f);
+    const uint32_t sign = (__builtin_bit_cast(uint32_t, x) >> 24) & 0x80u;
+    d[i] = static_cast<uint8_t>(sign | e4m3_magnitude(std::fabs(x)));
+  }
+}
+
+void bf16_to_int8_row(int8_t* d, const uint16_t* s, int64_t n) {
+  float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(to_f32(s[i])));
+  const float scale = amax > 0.0f ? rnd<uint16_t>(amax / 127.0f) : 1.0f;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float q = rnd<uint16_t>(to_f32(s[i]) / scale);
+    const float r = (q + 12582912.0f) - 12582912.0f;  // round half to even (|q| < 2^22)
+    d[i] = static_cast<int8_t>(std::min(std::max(r, -127.0f), 127.0f));
+  }
+  std::memcpy(d + n, &scale, sizeof scale);
+}
+
+inline void move_row(char* d, const char* s, const CopySpec& sp) {
+  if (sp.op == kCopyBytes)
+    copy_row(d, s, sp.row);
+  else if (sp.op == kBf16ToE4m3)
+    bf16_to_e4m3_row(reinterpret_cast<uint8_t*>(d), reinterpret_cast<const uint16_t*>(s), sp.row,
+                     sp.scale);
+  else
+    bf16_to_int8_row(reinterpret_cast<int8_t*>(d), reinterpret_cast<const uint16_t*>(s), sp.row);
 }
 
 void copy_views(const CopySpec* specs, int64_t count, int num_threads) {
@@ -1106,7 +1164,7 @@ void copy_views(const CopySpec* specs, int64_t count, int num_threads) {
     int64_t rows = 1;
     for (int i = 1; i < sp.nd; ++i) rows *= sp.shape[i];
     for (int64_t r = 0; r < rows; ++r) {
-      copy_row(d, s, sp.row);
+      move_row(d, s, sp);
       for (int i = static_cast<int>(sp.nd) - 1; i >= 1; --i) {  // odometer over dims 1..nd-1
         d += sp.dst_stride[i];
         s += sp.src_stride[i];
@@ -1125,7 +1183,8 @@ extern "C" {
 int kvabi_copy_views(const void* specs, int64_t count, int num_threads) {
   const auto* sp = static_cast<const CopySpec*>(specs);
   for (int64_t c = 0; c < count; ++c)
-    if (sp[c].nd < 1 || sp[c].nd > kCopyDims || sp[c].row < 1) return -1;
+    if (sp[c].nd < 1 || sp[c].nd > kCopyDims || sp[c].row < 1 || sp[c].op < 0 || sp[c].op > 2)
+      return -1;
   copy_views(sp, count, num_threads);
   return 0;
 }

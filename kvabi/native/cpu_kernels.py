@@ -186,11 +186,13 @@ class CpuKernels:
             raise RuntimeError(f"{name} failed with code {code}")
 
     def copy_views(self, specs: torch.Tensor) -> None:
-        """Run the strided copies `specs` describes ([count, 19] int64 rows: dst and src
-        addresses, outer dims, shape, byte strides of each, row bytes; `kvabi/abi/view_copy.py`
-        builds them) in one call."""
+        """Run the strided copies `specs` describes ([count, 21] int64 rows: dst and src
+        addresses, outer dims, shape, byte strides of each, row, row op, scale;
+        `kvabi/abi/view_copy.py` builds them) in one call."""
         if specs.dtype != torch.int64 or specs.dim() != 2 or not specs.is_contiguous():
-            raise ValueError("copy_views: specs must be a contiguous [count, 19] int64 tensor")
+            raise ValueError("copy_views: specs must be a contiguous [count, 21] int64 tensor")
+        if specs.shape[1] != 21:
+            raise ValueError(f"copy_views: rows of {specs.shape[1]} values, not 21")
         self._call("kvabi_copy_views", specs.data_ptr(), specs.shape[0])
 
     @staticmethod

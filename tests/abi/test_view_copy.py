@@ -75,6 +75,35 @@ def test_copies_it_cannot_take_give_no_plan():
 def test_contiguous_dims_merge_into_rows():
     a, b = torch.zeros(4, 8, 16), torch.zeros(4, 8, 16)
     spec = _spec(a, b)  # all contiguous in both: one row of the whole tensor
-    assert spec[2] == 1 and spec[3] == 1 and spec[-1] == a.numel() * 4
+    assert spec[2] == 1 and spec[3] == 1 and spec[-3] == a.numel() * 4
     spec = _spec(a.permute(1, 0, 2), b.permute(1, 0, 2).contiguous())  # two outer dims left
-    assert spec[2] == 2 and spec[3:5] == [8, 4] and spec[-1] == 16 * 4
+    assert spec[2] == 2 and spec[3:5] == [8, 4] and spec[-3] == 16 * 4
+
+
+@pytest.mark.parametrize(
+    ("dst_name", "overrides"),
+    [
+        ("vllm-fp8", {"scales": ()}),
+        ("vllm-fp8", {"scales": tuple(0.5 + 0.037 * i for i in range(60))}),
+        ("vllm-int8-per-token-head", {}),
+    ],
+)
+def test_quantising_rows_equal_the_codec_bit_for_bit(dst_name, overrides, monkeypatch):
+    # values spread over e4m3's normal and subnormal ranges and past its 448 saturation, and
+    # a (token, head) row of zeros (int8's scale 1)
+    src = _random("vllm-flash-attn", 3, 7)
+    key = next(iter(src.tensors))
+    t = src.tensors[key]
+    t.mul_(torch.logspace(-9, 3, t.shape[-1]).to(t.dtype))
+    t[0, 0, 0, 0].zero_()
+    dst_desc = preset_descriptor(dst_name, MODEL, block_size=16, **overrides)
+    runs = []
+    calls = cpu_kernels().copy_views
+    monkeypatch.setattr(type(cpu_kernels()), "copy_views", lambda k, s: (runs.append(1), calls(s)))
+    got = convert(src, dst_desc)
+    assert runs == [1]  # the plan ran
+    with monkeypatch.context() as m:
+        m.setattr(convert_module, "_run_plan", lambda *_: False)  # plane by plane in torch
+        want = convert(src, dst_desc)
+    for k, w in want.tensors.items():
+        assert torch.equal(got.tensors[k].view(torch.uint8), w.view(torch.uint8)), k

@@ -335,3 +335,24 @@ def test_copy_views_equals_torch_copy(kernels, width):
     assert all(torch.equal(d, s) for d, s in pairs)
     with pytest.raises(ValueError, match="int64"):
         kernels.copy_views(plan.specs.int())
+
+
+def test_copy_views_quantise_rows_as_the_codec_does(kernels):
+    """bf16 rows -> fp8 e4m3 (per-tensor scale, saturated) and -> int8 with a scale per row,
+    on every ISA build, bit for bit against the torch codec (kvabi/abi/codec.py)."""
+    from kvabi.abi.codec import _encode_per_token_head, _to_fp8
+    from kvabi.abi.view_copy import TO_E4M3, TO_INT8_ROWS, CopyPlan, RowOp
+
+    torch.manual_seed(5)
+    x = (torch.randn(7, 3, 64) * torch.logspace(-9, 3, 64)).bfloat16()
+    x[2, 1].zero_()  # an all-zero row: int8 scale 1
+    for scale in (1.0, 0.37):
+        fp8 = torch.empty(7, 3, 64, dtype=torch.float8_e4m3fn)
+        plan = CopyPlan.build([(fp8, x)], {"d": fp8}, {"s": x}, [RowOp(TO_E4M3, scale)])
+        plan.run({"d": fp8}, {"s": x}, kernels)
+        want = _to_fp8(x / scale, torch.float8_e4m3fn)
+        assert torch.equal(fp8.view(torch.uint8), want.view(torch.uint8)), scale
+    rows = torch.empty(7, 3, 68, dtype=torch.int8)
+    plan = CopyPlan.build([(rows, x)], {"d": rows}, {"s": x}, [RowOp(TO_INT8_ROWS)])
+    plan.run({"d": rows}, {"s": x}, kernels)
+    assert torch.equal(rows, _encode_per_token_head(x, "int8"))
