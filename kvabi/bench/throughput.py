@@ -159,36 +159,15 @@ def run(
 
 
 def _command(engine: str, dtype: str, model: str, wpath: Path, out: Path, tmp: str) -> list[str]:
+    worker = [sys.executable, "-m", "kvabi.bench.throughput_workers", "--engine", engine]
+    worker += ["--model", model, "--workload", str(wpath), "--out", str(out)]
     if engine == "llamacpp":
         gguf = bundled_model_path(model)
         if dtype in WIDE_TYPES:  # the same weights as kvabi's, at its precision
             gguf = widen_gguf(gguf, Path(tmp) / f"{model}-{dtype}.gguf", dtype)
-        return [sys.executable, "-m", "kvabi.bench.throughput_workers", "--engine", engine] + [
-            "--model",
-            model,
-            "--workload",
-            str(wpath),
-            "--out",
-            str(out),
-            "--gguf",
-            str(gguf),
-        ]
+        return [*worker, "--gguf", str(gguf)]
     if engine != "vllm":
-        return [
-            sys.executable,
-            "-m",
-            "kvabi.bench.throughput_workers",
-            "--engine",
-            engine,
-            "--model",
-            model,
-            "--workload",
-            str(wpath),
-            "--out",
-            str(out),
-            "--dtype",
-            dtype,
-        ]
+        return [*worker, "--dtype", dtype]
     if not VLLM_PYTHON.exists():
         return [
             sys.executable,
