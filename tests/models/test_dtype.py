@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvabi.models import cpu_kernels
 from kvabi.models.checkpoint import parse_dtype
+from kvabi.native import cpu_kernels
 
 AVX2 = "flags\t\t: fpu sse sse2 avx avx2 fma"
 
