@@ -8,9 +8,11 @@ cores for SmolLM2's 64 blocks (23.6 MB, 60 planes), building the views cost 0.74
 shapes and strides) as offsets into the buffers, so a conversion between buffers of that
 geometry adds the buffers' addresses to the offsets and hands every copy to
 `kvabi_copy_views` (kvabi/native/cpu_kernels.cpp) in one parallel region, a contiguous row
-at a time. Copies it cannot take (differing dtypes or shapes, an innermost dim not contiguous
-in both, more dims than a spec holds) make `CopyPlan.build` return None: the caller copies
-view by view as before. No kernels, no plan.
+at a time. A row may also be quantised on the way (`RowOp`: bf16 to fp8 e4m3 with a per-tensor
+scale, or to int8 with a scale per row), exactly as kvabi's torch codec does it. Copies it
+cannot take (differing dtypes or shapes, an innermost dim not contiguous in both, more dims
+than a spec holds) make `CopyPlan.build` return None: the caller converts view by view as
+before. No kernels, no plan.
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ class RowOp:
 
 @dataclass(frozen=True)
 class CopyPlan:
-    """Copies as specs whose first two columns are offsets into buffers `dst_keys[i]` and
-    `src_keys[i]` (the i-th copy), to which `run` adds the buffers' addresses."""
+    """Copies as specs whose first two columns are byte offsets into the buffers
+    `dst_names[dst_index[i]]` and `src_names[src_index[i]]` (the i-th copy), to which `run`
+    adds the buffers' addresses."""
 
     specs: torch.Tensor  # [count, SPEC_WIDTH] int64, addresses as offsets
     dst_index: torch.Tensor  # [count] int64: which of `dst_names` each copy writes
