@@ -29,7 +29,15 @@ from kvabi.abi.tiled_view import (
     scatter,
     scatter_blocks,
 )
-from kvabi.abi.view_copy import TO_E4M3, TO_INT8_ROWS, CopyPlan, RowOp, geometry
+from kvabi.abi.view_copy import (
+    COPY,
+    TO_E4M3,
+    TO_F32,
+    TO_INT8_ROWS,
+    CopyPlan,
+    RowOp,
+    geometry,
+)
 from kvabi.native.cpu_kernels import cpu_kernels
 
 GroupViews = list[tuple[tuple[Plane, ...], CanonicalView]]
@@ -249,7 +257,10 @@ def _plan(src: CacheBuffers, out: CacheBuffers) -> CopyPlan | None:
         src_views = group_views(src.desc, src.tensors, layer_id)
         dst_views = group_views(out.desc, out.tensors, layer_id)
         if _is_direct(src.desc, out.desc, 1):
+            start = len(pairs)
             _copy_direct(src_views, dst_views, True, None, src.desc, out.desc, None, None, pairs)
+            widen = (src.desc.layout.dtype, out.desc.layout.dtype) == ("bf16", "f32")
+            ops += [RowOp(TO_F32 if widen else COPY)] * (len(pairs) - start)
             continue
         planes = {p.name: view for (p,), view in _plane_views(src_views)}
         lay = out.desc.layout
@@ -266,7 +277,8 @@ def _plan(src: CacheBuffers, out: CacheBuffers) -> CopyPlan | None:
 
 def _is_row_codec(srcs: Sequence[CacheBuffers], dst_desc: Descriptor) -> bool:
     """Whether a whole cache of bf16 values goes into `dst_desc`'s fp8 e4m3 per-tensor or int8
-    per-token-head rows with nothing else changing (a `CopyPlan` with row ops takes it)."""
+    per-token-head rows with nothing else changing (a `CopyPlan` with row ops takes it; a
+    bf16 -> float32 conversion is a direct one, widened row by row)."""
     s, d, src = srcs[0].desc.layout, dst_desc.layout, srcs[0].desc
     return (
         len(srcs) == 1

@@ -26,13 +26,15 @@ COPY_DIMS = 5  # outer dims a spec holds (kCopyDims in cpu_kernels.cpp)
 # one spec: dst, src, nd, shape[COPY_DIMS], dst strides, src strides (bytes), row, op, scale
 SPEC_WIDTH = 3 + 3 * COPY_DIMS + 3
 # how a row moves (RowOp in cpu_kernels.cpp): its bytes; bf16 -> fp8 e4m3 of x / scale,
-# saturated; bf16 -> int8 and a float32 scale per row (kvabi's per_token_head codec)
-COPY, TO_E4M3, TO_INT8_ROWS = 0, 1, 2
+# saturated; bf16 -> int8 and a float32 scale per row (kvabi's per_token_head codec); bf16 ->
+# float32
+COPY, TO_E4M3, TO_INT8_ROWS, TO_F32 = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
 class RowOp:
-    """What a copy does to each innermost row (`COPY`, `TO_E4M3` with `scale`, `TO_INT8_ROWS`)."""
+    """What a copy does to each innermost row (`COPY`, `TO_E4M3` with `scale`, `TO_INT8_ROWS`,
+    `TO_F32`)."""
 
     op: int = COPY
     scale: float = 1.0
@@ -133,7 +135,9 @@ def _spec(dst: torch.Tensor, src: torch.Tensor, op: RowOp | None = None) -> list
         return None
     if op.op == COPY and dst.dtype != src.dtype:
         return None
-    if op.op != COPY and (src.dtype != torch.bfloat16 or dst.element_size() != 1):
+    wanted = {TO_E4M3: (torch.float8_e4m3fn, torch.uint8), TO_INT8_ROWS: (torch.int8,),
+              TO_F32: (torch.float32,)}  # fmt: skip
+    if op.op != COPY and (src.dtype != torch.bfloat16 or dst.dtype not in wanted[op.op]):
         return None
     if dst.numel() == 0:
         return []

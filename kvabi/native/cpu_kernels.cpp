@@ -1080,11 +1080,12 @@ void mla_decode_records(const float* q, float* out, const uint8_t* records,
 //                  quotient rounded to bf16 first; e4m3 by round to nearest even);
 //   kBf16ToInt8Row `row` bf16 values -> `row` int8 and the row's float32 scale after them, as
 //                  kvabi's per-token-head codec in bf16 (codec.py): scale = bf16(amax / 127)
-//                  (1 for an all-zero row), q = round-half-even(bf16(x / scale)) in +-127.
+//                  (1 for an all-zero row), q = round-half-even(bf16(x / scale)) in +-127;
+//   kBf16ToF32     `row` bf16 values -> float32 (exact).
 // All the copies' (copy, index along its first dim) items are shared out over the threads in
 // one parallel region; within an item the other dims advance the pointers (no division per row).
 constexpr int kCopyDims = 5;
-enum RowOp : int64_t { kCopyBytes = 0, kBf16ToE4m3 = 1, kBf16ToInt8Row = 2 };
+enum RowOp : int64_t { kCopyBytes = 0, kBf16ToE4m3 = 1, kBf16ToInt8Row = 2, kBf16ToF32 = 3 };
 struct CopySpec {
   int64_t dst, src, nd, shape[kCopyDims], dst_stride[kCopyDims], src_stride[kCopyDims], row;
   int64_t op;
@@ -1140,9 +1141,16 @@ void bf16_to_int8_row(int8_t* d, const uint16_t* s, int64_t n) {
   std::memcpy(d + n, &scale, sizeof scale);
 }
 
+void bf16_to_f32_row(float* d, const uint16_t* s, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) d[i] = to_f32(s[i]);
+}
+
 inline void move_row(char* d, const char* s, const CopySpec& sp) {
   if (sp.op == kCopyBytes)
     copy_row(d, s, sp.row);
+  else if (sp.op == kBf16ToF32)
+    bf16_to_f32_row(reinterpret_cast<float*>(d), reinterpret_cast<const uint16_t*>(s), sp.row);
   else if (sp.op == kBf16ToE4m3)
     bf16_to_e4m3_row(reinterpret_cast<uint8_t*>(d), reinterpret_cast<const uint16_t*>(s), sp.row,
                      sp.scale);
@@ -1183,7 +1191,7 @@ extern "C" {
 int kvabi_copy_views(const void* specs, int64_t count, int num_threads) {
   const auto* sp = static_cast<const CopySpec*>(specs);
   for (int64_t c = 0; c < count; ++c)
-    if (sp[c].nd < 1 || sp[c].nd > kCopyDims || sp[c].row < 1 || sp[c].op < 0 || sp[c].op > 2)
+    if (sp[c].nd < 1 || sp[c].nd > kCopyDims || sp[c].row < 1 || sp[c].op < 0 || sp[c].op > 3)
       return -1;
   copy_views(sp, count, num_threads);
   return 0;

@@ -86,6 +86,7 @@ def test_contiguous_dims_merge_into_rows():
         ("vllm-fp8", {"scales": ()}),
         ("vllm-fp8", {"scales": tuple(0.5 + 0.037 * i for i in range(60))}),
         ("vllm-int8-per-token-head", {}),
+        ("vllm-flash-attn-hnd", {"dtype": "f32"}),
     ],
 )
 def test_quantising_rows_equal_the_codec_bit_for_bit(dst_name, overrides, monkeypatch):

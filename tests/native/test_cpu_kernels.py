@@ -338,10 +338,10 @@ def test_copy_views_equals_torch_copy(kernels, width):
 
 
 def test_copy_views_quantise_rows_as_the_codec_does(kernels):
-    """bf16 rows -> fp8 e4m3 (per-tensor scale, saturated) and -> int8 with a scale per row,
-    on every ISA build, bit for bit against the torch codec (kvabi/abi/codec.py)."""
+    """bf16 rows -> fp8 e4m3 (per-tensor scale, saturated), -> int8 with a scale per row and
+    -> float32, on every ISA build, bit for bit against the torch codec (kvabi/abi/codec.py)."""
     from kvabi.abi.codec import _encode_per_token_head, _to_fp8
-    from kvabi.abi.view_copy import TO_E4M3, TO_INT8_ROWS, CopyPlan, RowOp
+    from kvabi.abi.view_copy import TO_E4M3, TO_F32, TO_INT8_ROWS, CopyPlan, RowOp
 
     torch.manual_seed(5)
     x = (torch.randn(7, 3, 64) * torch.logspace(-9, 3, 64)).bfloat16()
@@ -356,3 +356,7 @@ def test_copy_views_quantise_rows_as_the_codec_does(kernels):
     plan = CopyPlan.build([(rows, x)], {"d": rows}, {"s": x}, [RowOp(TO_INT8_ROWS)])
     plan.run({"d": rows}, {"s": x}, kernels)
     assert torch.equal(rows, _encode_per_token_head(x, "int8"))
+    wide = torch.empty(7, 3, 64)
+    plan = CopyPlan.build([(wide, x)], {"d": wide}, {"s": x}, [RowOp(TO_F32)])
+    plan.run({"d": wide}, {"s": x}, kernels)
+    assert torch.equal(wide, x.float())
