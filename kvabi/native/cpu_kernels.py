@@ -456,10 +456,10 @@ class CpuKernels:
         self._call("kvabi_rope", DTYPE_CODES[x.dtype], *args)
 
 
-@functools.cache
 def cpu_kernels(isa: str | None = None) -> CpuKernels | None:
     """The compiled kernels, or None where they cannot be built here (see `kernel_status`).
-    `isa`: the target (`ISA_TARGETS`; default `$KVABI_KERNEL_ISA`, else the CPU's own)."""
+    `isa`: the target (`ISA_TARGETS`; default `$KVABI_KERNEL_ISA`, else the CPU's own). Each
+    target is built and loaded once per process (`_load`)."""
     if os.environ.get("KVABI_NO_KERNELS"):
         _status[0] = "disabled by KVABI_NO_KERNELS"
         return None
@@ -469,6 +469,7 @@ def cpu_kernels(isa: str | None = None) -> CpuKernels | None:
 
 @functools.cache
 def _load(isa: str) -> CpuKernels | None:
+    """The kernels built for `isa`, loaded once: every caller shares the one object."""
     if (why := isa_gap(isa)) is not None:
         _status[0] = f"unavailable: kernels for {isa}: {why}"
         return None
