@@ -22,7 +22,7 @@ some tier holds, the connector starts a fetch on its own thread and answers "not
 the fetch is done; a prompt whose first block no tier holds is a miss at once. With no other
 request in flight the fetch runs in place: there is nothing to overlap it with, and vLLM's
 engine loop, polling meanwhile, would only slow the fetch's thread down (measured: a
-2,560-token hit's TTFT 580 ms polled against 108 ms in place, on 2 cores). It hands the
+2,560-token hit's TTFT 580 ms polled against 101 ms in place, on 2 cores). It hands the
 verified blocks to the worker (in the connector metadata), which converts them into vLLM's
 blocks (preset `vllm-cpu-*` of the layers' ISA) before the forward (a synchronous load).
 After the forward the worker converts the prompt blocks the step completed into the store's
