@@ -30,6 +30,26 @@ CHUNK_BYTES = 4 * 2**20  # the most one send or receive call moves
 SMALL_WRITE_BYTES = 64 * 2**10  # writes gathered into one send up to this size
 
 
+def no_delay(conn: socket.socket) -> socket.socket:
+    """`conn` with Nagle's algorithm off. Every control connection needs it: a small message
+    sent right after another (`kv` then `window`) would otherwise wait for the peer's
+    delayed ACK, 40 ms on Linux (measured: a NIXL fetch of 23.6 MB took 60-90 ms, its READs
+    3.7 ms)."""
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return conn
+
+
+def open_control(address: tuple[str, int], timeout_s: float) -> socket.socket:
+    """A control connection to `address`: connected, no delay, `timeout_s` on every call."""
+    conn = socket.create_connection(address, timeout_s)
+    try:
+        conn.settimeout(timeout_s)
+        return no_delay(conn)
+    except BaseException:
+        conn.close()
+        raise
+
+
 def send_msg(sock: socket.socket, msg: dict) -> None:
     """Send one control message."""
     body = msgpack.packb(msg, use_bin_type=True)

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvabi.abi.descriptor import Descriptor
+from kvabi.transfer.framing import no_delay
 from kvabi.transfer.handshake import server_handshake
 from kvabi.transfer.transport import TransportConfig, split_address
 
@@ -92,7 +93,7 @@ class KVListener:
                 continue
             except OSError:
                 return
-            self._admit(conn, addr[0])
+            self._admit(no_delay(conn), addr[0])
             threading.Thread(target=self._run, args=(conn,), daemon=True).start()
 
     def _admit(self, conn: socket.socket, host: str) -> None:

@@ -21,7 +21,7 @@ import numpy as np
 from kvabi.abi.descriptor import Descriptor
 from kvabi.transfer.errors import MessageTooLargeError, TransferError
 from kvabi.transfer.fetch_checks import ClosedByPeer, ask_kv, check_identity
-from kvabi.transfer.framing import expect, recv_msg, send_msg
+from kvabi.transfer.framing import expect, open_control, recv_msg, send_msg
 from kvabi.transfer.handshake import client_handshake
 from kvabi.transfer.nixl_memory import Arena, ArenaInfo, make_agent
 from kvabi.transfer.nixl_read import NixlReadAbandoned
@@ -107,9 +107,8 @@ class NixlKVClient(KVClient):
         return payload
 
     def _open(self) -> tuple[_Channel, Descriptor]:
-        conn = socket.create_connection(split_address(self.address), self.config.io_timeout_s)
+        conn = open_control(split_address(self.address), self.config.io_timeout_s)
         try:
-            conn.settimeout(self.config.io_timeout_s)
             peer_desc = client_handshake(conn, self.config.secret, self.desc)
             send_msg(conn, {"t": "nixl_hello"})
             return _Channel(conn, self._add_peer(recv_msg(conn, MAX_METADATA_BYTES))), peer_desc

@@ -29,7 +29,13 @@ from kvabi.abi.descriptor import Descriptor
 from kvabi.transfer.errors import MessageTooLargeError, TransferError
 from kvabi.transfer.fetch_checks import ClosedByPeer, ask_kv, check_identity
 from kvabi.transfer.fetch_loop import sections, serve_fetches
-from kvabi.transfer.framing import ChunkedSink, SocketStream, recv_exact, send_msg
+from kvabi.transfer.framing import (
+    ChunkedSink,
+    SocketStream,
+    open_control,
+    recv_exact,
+    send_msg,
+)
 from kvabi.transfer.handshake import client_handshake
 from kvabi.transfer.kv_listener import KVListener
 from kvabi.transfer.layer_feed import LayerBuffers
@@ -85,7 +91,6 @@ class TcpKVServer(KVServer):
 
     def _serve(self, conn: socket.socket) -> None:
         """An authenticated connection (KVListener did the handshake); errors end it."""
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # we gather small writes
         send, is_closed = self._send_stream, self._is_closed
         serve_fetches(conn, self.config, self.desc, self.provider, send, is_closed)
 
@@ -150,10 +155,8 @@ class TcpKVClient(KVClient):
             self._idle.clear()
 
     def _open(self) -> tuple[socket.socket, Descriptor]:
-        conn = socket.create_connection(split_address(self.address), self.config.io_timeout_s)
+        conn = open_control(split_address(self.address), self.config.io_timeout_s)
         try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(self.config.io_timeout_s)
             return conn, client_handshake(conn, self.config.secret, self.desc)
         except BaseException:
             conn.close()
