@@ -1,12 +1,15 @@
 """The value types of `KVCache`'s block API: a prefix match, a fetch request, a payload of
-blocks, an import's result (kvabi/cache/kv_cache.py)."""
+blocks, blocks lent out of the pool or reserved in it for a peer's READ, an import's result
+(kvabi/cache/kv_cache.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvabi.abi.buffers import CacheBuffers
+from kvabi.abi.convert import convert
+from kvabi.cache.block_hasher import BlockKey
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class FetchRequest:
     token_ids: tuple[int, ...]
     start_token: int = 0
     cache_salt: str | None = None
+    reads_blocks: bool = False  # the asker READs them out of the pool: answer with a KVLoan
 
 
 @dataclass(frozen=True)
@@ -67,3 +71,41 @@ class ImportResult:
 
     num_cached_tokens: int
     num_placed_blocks: int
+
+
+@dataclass(frozen=True)
+class KVLoan:
+    """Blocks of a prompt's KV lent straight out of a pool (tokens as in `KVPayload`): block
+    i of them is pool block `block_ids[i]` of `buffers` (the pool's whole buffers). They stay
+    pinned, neither evicted nor written, until `release()`, which the borrower calls once."""
+
+    start_token: int
+    token_ids: tuple[int, ...]
+    block_hashes: tuple[bytes, ...]
+    buffers: CacheBuffers
+    block_ids: tuple[int, ...]
+    release: Callable[[], None]
+
+    def to_payload(self) -> KVPayload:
+        """A copy of the lent blocks (for a transport that cannot READ them); releases."""
+        try:
+            n = len(self.token_ids)
+            ids = self.block_ids
+            cache = convert(self.buffers, self.buffers.desc, num_tokens=n, src_block_ids=ids)
+        finally:
+            self.release()
+        return KVPayload(self.start_token, self.token_ids, self.block_hashes, cache)
+
+
+@dataclass(frozen=True)
+class BlockReservation:
+    """Free pool blocks taken for a prompt's blocks from `start_token` on, for a peer to write
+    (`block_ids[i]` gets block `start_token / block_size + i`), then `KVCache.commit`ted or
+    `cancel`led; the pooled prefix before them (`pooled`) is pinned meanwhile."""
+
+    start_token: int
+    block_ids: tuple[int, ...]
+    keys: tuple[BlockKey, ...]  # the blocks' keys, as `block_ids`
+    pooled: tuple[int, ...]
+    hashes: tuple[bytes, ...]  # the prompt's block hashes up to the last reserved one
+    buffers: CacheBuffers  # the pool's whole buffers

@@ -10,7 +10,11 @@ block ids:
   below host RAM off the step thread, kvabi/cache/tier_loader.py);
 - `export` / `export_layer`: blocks as `CacheBuffers` with their hashes and tokens;
 - `import_blocks`: verified blocks placed into the pool as cached blocks, so the next request
-  with that prefix hits them.
+  with that prefix hits them;
+- `lend` / `reserve`, `commit`, `cancel`: the same blocks without a copy, for a peer that READs
+  them straight out of one pool into another (NIXL): the sender lends its pooled blocks
+  (pinned until released), the receiver reserves free ones, has them written, then indexes them
+  once verified (or frees them unindexed).
 Blocks the pool evicts are written down the tiers inside allocation (`BlockPool.write_down`), so
 no path that allocates can give a tier the wrong KV under an old hash. The scheduler (in
 `kvabi/engine`) also uses the pool directly for its ref counts and block tables.
@@ -28,8 +32,10 @@ from kvabi.abi.descriptor import CENTRIES, Descriptor
 from kvabi.cache.block_api import (  # noqa: F401 - the block API's types, re-exported
     NO_MATCH,
     NULL_BLOCK,
+    BlockReservation,
     FetchRequest,
     ImportResult,
+    KVLoan,
     KVPayload,
     MatchResult,
     held_blocks,
@@ -276,6 +282,72 @@ class KVCache:
             return ImportResult(held * bs, 0)
         keys = self.hasher.keys_of(hashes, token_ids, first, last)
         return ImportResult(last * bs, self.place(pooled, keys, payload.cache))
+
+    # ---- blocks read straight from pool to pool (a uniform cache whose storage is local) ----
+
+    @property
+    def lends_blocks(self) -> bool:
+        """Whether `lend` and `reserve` work here (one block group, whole blocks local)."""
+        local = all(s.entry_desc is s.desc for s in self.storages)
+        return self.plan.is_uniform and local and self.is_prefix_caching
+
+    @property
+    def lent_buffers(self) -> CacheBuffers | None:
+        """The buffers whose blocks `lend` lends and `reserve` reserves (None: it cannot)."""
+        return self.storage.buffers if self.lends_blocks else None
+
+    def lend(self, token_ids: Sequence[int], cache_salt: str | None, start_token: int) -> KVLoan:
+        """The prompt's pooled blocks from `start_token` (a block boundary) up to the first one
+        the pool lacks, pinned until the loan's `release()` (call it on this cache's thread)."""
+        self._require_lending("a loan")
+        hashes = self.hasher.hashes(token_ids, cache_salt)
+        first = start_token // self.block_size
+        hashes = hashes[first : max(self.num_pooled(hashes), first)]
+        block_ids = self.pooled_ids(hashes)
+        self.pool.touch(block_ids)
+        tokens = tuple(token_ids[start_token : start_token + len(hashes) * self.block_size])
+        buffers, ids = self.storage.buffers, tuple(block_ids)
+        return KVLoan(start_token, tokens, tuple(hashes), buffers, ids, lambda: self.pool.free(ids))
+
+    def reserve(
+        self, token_ids: Sequence[int], cache_salt: str | None, start_token: int, num_blocks: int
+    ) -> BlockReservation | None:
+        """Free blocks for the prompt's `num_blocks` blocks from `start_token` (as many as fit
+        and exist), or None when they would not extend the pooled prefix."""
+        self._require_lending("a reservation")
+        bs, hashes = self.block_size, self.hasher.hashes(token_ids, cache_salt)
+        held, first = self.num_pooled(hashes), start_token // bs
+        pooled = self.pooled_ids(hashes[:held])
+        room = self.pool.num_free - self.pool.num_free_of(pooled)
+        last = min(first + num_blocks, len(hashes), first + room)
+        if start_token % bs or held < first or last <= held:
+            return None
+        self.pool.touch(pooled)
+        keys = tuple(self.hasher.keys_of(hashes, token_ids, first, last))
+        block_ids = tuple(sorted(self.pool.allocate(last - first)))  # ascending: longer runs
+        pool = self.storage.buffers
+        return BlockReservation(
+            start_token, block_ids, keys, tuple(pooled), tuple(hashes[:last]), pool
+        )
+
+    def commit(self, reservation: BlockReservation, num_blocks: int) -> ImportResult:
+        """Index the reservation's first `num_blocks` blocks (written and verified) and free
+        every block it held; blocks the pool meanwhile got elsewhere stay unindexed."""
+        r = reservation
+        try:
+            pairs = zip(r.block_ids[:num_blocks], r.keys[:num_blocks], strict=True)
+            num_placed = sum(self.pool.cache_block(b, k) for b, k in pairs)
+        finally:
+            self.cancel(r)
+        return ImportResult(self.num_pooled(r.hashes) * self.block_size, num_placed)
+
+    def cancel(self, reservation: BlockReservation) -> None:
+        """Free every block the reservation held (its own ones unindexed, as they were)."""
+        self.pool.free([*reservation.pooled, *reservation.block_ids])
+
+    def _require_lending(self, what: str) -> None:
+        if not self.lends_blocks:
+            raise ValueError(f"{what}: needs one block group, local storage and a prefix cache")
 
     # ---- housekeeping ----
 

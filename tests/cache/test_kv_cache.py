@@ -122,3 +122,40 @@ def test_an_import_that_would_not_extend_the_pooled_prefix_places_nothing():
     assert dst.import_blocks(TOKENS, "tenant-a", src.export(TOKENS, None)) == ImportResult(8, 2)
     assert dst.num_pooled(dst.hasher.hashes(TOKENS, "tenant-a")) == 2
     assert dst.num_pooled(dst.hasher.hashes(TOKENS)) == 0
+
+
+def test_a_loan_pins_the_pooled_blocks_until_released():
+    prefix, _ = cache_with_chain(TOKENS)  # blocks 0, 1 cached and free
+    loan = prefix.lend(TOKENS, None, 4)  # from the second block on
+    assert (loan.start_token, loan.token_ids, loan.block_ids) == (4, tuple(TOKENS[4:8]), (1,))
+    assert loan.block_hashes == tuple(prefix.hasher.hashes(TOKENS, None)[1:])
+    assert loan.buffers is prefix.storage.buffers
+    assert (prefix.pool.ref_counts[1], prefix.pool.num_free) == (1, 7)
+    prefix.pool.allocate(7)  # every free block: the lent one is not among them
+    assert prefix.cached_in(0, loan.block_hashes[0]) == 1
+    loan.release()
+    assert prefix.pool.ref_counts[1] == 0 and prefix.pool.num_free == 1
+    assert prefix.lend(TOKENS, "salted", 0).block_ids == ()  # nothing pooled under that salt
+
+
+def test_a_reservation_is_indexed_on_commit_and_forgotten_on_cancel():
+    prefix, _ = cache_with_chain(TOKENS[:4])  # block 0 holds the first block
+    longer = TOKENS + [7, 7]  # 3 full blocks
+    assert prefix.reserve(longer, None, 8, 1) is None  # it would not extend the pooled run
+    res = prefix.reserve(longer, None, 4, 5)  # more than exist: the 2 that do
+    assert (res.start_token, res.block_ids, res.pooled) == (4, (1, 2), (0,))
+    assert [k.token_ids for k in res.keys] == [tuple(TOKENS[4:8]), (108, 109, 7, 7)]
+    prefix.cancel(res)
+    assert prefix.num_pooled(prefix.hasher.hashes(longer, None)) == 1
+    assert prefix.pool.num_free == 8 and prefix.pool.ref_counts[0] == 0
+    res = prefix.reserve(longer, None, 4, 2)
+    assert prefix.commit(res, 1) == ImportResult(8, 1)  # only the first one was written
+    assert prefix.num_pooled(prefix.hasher.hashes(longer, None)) == 2
+    assert prefix.pool.num_free == 8
+
+
+def test_a_reservation_takes_no_more_blocks_than_are_free():
+    prefix, _ = cache_with_chain(TOKENS[:4], num_blocks=3)
+    prefix.pool.allocate(1)  # 2 free, one of them the pooled prefix
+    res = prefix.reserve(TOKENS + [7, 7], None, 4, 2)
+    assert len(res.block_ids) == 1
