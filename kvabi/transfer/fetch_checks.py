@@ -36,7 +36,7 @@ def parse_fetch(msg: dict, max_tokens: int, block_size: int) -> FetchRequest:
         raise TransferError(f"fetch: start_token {start} is not at a block boundary")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise TransferError("fetch: cache_salt must be a non-empty string or absent")
-    return FetchRequest(tuple(ids), start, salt)
+    return FetchRequest(tuple(ids), start, salt, msg.get("reads_blocks") is True)
 
 
 def fetch_msg(request: FetchRequest, heartbeat_s: float) -> dict:
@@ -48,6 +48,7 @@ def fetch_msg(request: FetchRequest, heartbeat_s: float) -> dict:
         "start_token": request.start_token,
         "cache_salt": request.cache_salt,
         "heartbeat_s": heartbeat_s,
+        "reads_blocks": request.reads_blocks,
     }
 
 
@@ -71,7 +72,8 @@ def ask_kv(
     own: Descriptor,
     peer: Descriptor,
 ) -> tuple[dict, list[bytes]]:
-    """Send the `fetch` message and wait for its `kv` reply: up to the transfer timeout in
+    """Send the `fetch` message and wait for its `kv` reply (or, to a fetch that reads blocks,
+    `blocks`): up to the transfer timeout in
     all while the peer prefills, but no longer than the I/O timeout between its `wait`
     heartbeats (a frozen peer fails in `io_timeout_s`). Meanwhile the block hashes the answer
     must carry are computed (`check_identity` takes them)."""
@@ -86,7 +88,7 @@ def ask_kv(
         if time.monotonic() > deadline:
             raise TransferTimeoutError("the peer did not answer within the transfer timeout")
         reply = recv_msg(conn)
-    return expect(reply, "kv"), expected
+    return expect(reply, "kv", *(["blocks"] if request.reads_blocks else [])), expected
 
 
 def prompt_hashes(own: Descriptor, block_size: int, request: FetchRequest) -> list[bytes]:

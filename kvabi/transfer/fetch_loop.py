@@ -16,17 +16,26 @@ import logging
 import socket
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 from kvabi.abi.descriptor import Descriptor
 from kvabi.transfer.fetch_checks import heartbeat_interval, parse_fetch
 from kvabi.transfer.framing import expect, recv_msg, send_msg
 from kvabi.transfer.layer_feed import LayerBuffers
-from kvabi.transfer.transport import KVPayload, KVStream, StreamProvider, TransportConfig
+from kvabi.transfer.transport import (
+    KVLoan,
+    KVPayload,
+    KVStream,
+    StreamProvider,
+    TransportConfig,
+)
 from kvabi.wire.container_writer import ContainerWriter, PreparedSection
 
 log = logging.getLogger("kvabi.disagg")
 # send(conn, stream, first layer, is_live): is_live is False for a payload computed in full
 Send = Callable[[socket.socket, KVStream, LayerBuffers, bool], None]
+# lend(conn, loan): the loan's blocks as a peer READs them; releases the loan
+Lend = Callable[[socket.socket, KVLoan], None]
 
 
 def serve_fetches(
@@ -36,14 +45,16 @@ def serve_fetches(
     provider: StreamProvider,
     send: Send,
     is_closed: Callable[[], bool],
+    lend: Lend | None = None,
 ) -> None:
     """Answer fetches on an authenticated connection until the peer leaves or the server
-    closes (errors end the connection: the caller logs them)."""
+    closes (errors end the connection: the caller logs them). A transport that can have its
+    pool's blocks READ gives `lend`; without it a fetch never gets a loan."""
     while not is_closed():
         conn.settimeout(config.idle_timeout_s)
         msg = expect(recv_msg(conn), "fetch")
         conn.settimeout(config.io_timeout_s)
-        _answer(conn, msg, config, desc, provider, send)
+        _answer(conn, msg, config, desc, provider, (send, lend))
 
 
 def _answer(
@@ -52,17 +63,27 @@ def _answer(
     config: TransportConfig,
     desc: Descriptor,
     provider: StreamProvider,
-    send: Send,
+    senders: tuple[Send, Lend | None],
 ) -> None:
+    send, lend = senders
     try:
         request = parse_fetch(msg, config.max_tokens, desc.layout.block_size)
+        if lend is None:
+            request = replace(request, reads_blocks=False)
         with Heartbeat(conn, heartbeat_interval(msg, config)):
             answer = provider(request)
-            stream = KVStream.of(answer) if isinstance(answer, KVPayload) else answer
-            first = next(stream.layers)  # the prefill's failures up to here get an answer
+            if isinstance(answer, KVLoan) and lend is None:
+                answer = answer.to_payload()
+            if not isinstance(answer, KVLoan):
+                stream = KVStream.of(answer) if isinstance(answer, KVPayload) else answer
+                first = next(stream.layers)  # the prefill's failures up to here get an answer
     except Exception as exc:
         log.warning("prefill for a fetch failed: %s", exc)
         send_msg(conn, {"t": "error", "kind": "prefill", "msg": str(exc)[:2000]})
+        return
+    if isinstance(answer, KVLoan):
+        assert lend is not None
+        lend(conn, answer)  # after the heartbeat: one sender on `conn` at a time
         return
     try:
         send(conn, stream, first, not isinstance(answer, KVPayload))

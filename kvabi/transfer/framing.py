@@ -81,11 +81,12 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def expect(msg: dict, kind: str) -> dict:
-    """`msg` if its type is `kind`; a peer's error message becomes a typed error."""
+def expect(msg: dict, kind: str, *others: str) -> dict:
+    """`msg` if its type is `kind` (or one of `others`); a peer's error message becomes a
+    typed error."""
     if msg["t"] == "error":
         raise RemoteError(f"peer error ({msg.get('kind', '?')}): {msg.get('msg', '')}")
-    if msg["t"] != kind:
+    if msg["t"] != kind and msg["t"] not in others:
         raise TransferError(f"expected a {kind!r} message, got {msg['t']!r}")
     return msg
 

@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from kvabi.abi.descriptor import Descriptor
+from kvabi.cache.kv_cache import BlockReservation
 from kvabi.transfer.errors import MessageTooLargeError, TransferError
 from kvabi.transfer.fetch_checks import ClosedByPeer, ask_kv, check_identity
 from kvabi.transfer.framing import expect, open_control, recv_msg, send_msg
 from kvabi.transfer.handshake import client_handshake
-from kvabi.transfer.nixl_memory import Arena, ArenaInfo, make_agent
+from kvabi.transfer.lent_blocks import read_lent
+from kvabi.transfer.nixl_memory import Arena, ArenaInfo, PoolRegistry, make_agent
 from kvabi.transfer.nixl_read import NixlReadAbandoned
 from kvabi.transfer.nixl_windows import WindowReader
 from kvabi.transfer.receive_buffers import ReceiveBuffers
@@ -31,6 +33,7 @@ from kvabi.transfer.transport import (
     FetchRequest,
     KVClient,
     KVPayload,
+    Landed,
     TransportConfig,
     split_address,
 )
@@ -40,6 +43,9 @@ from kvabi.wire.errors import FormatError
 
 MAX_METADATA_BYTES = 2**20
 MAX_SLOT_BYTES = 256 * 2**20  # the most a peer's window may make us register per slot
+
+
+_Into = tuple[int, "BlockReservation | None"]  # (arena slot, reservation to READ blocks into)
 
 
 @dataclass(frozen=True)
@@ -59,21 +65,41 @@ class NixlKVClient(KVClient):
         self._idle: list[_Channel] = []
         self._lock = threading.Lock()
         self._buffers = ReceiveBuffers()  # containers land in reused buffers (no page faults)
+        self._pools = PoolRegistry(self.agent)  # the pools lent blocks land in
         channel, self.peer_desc = self._open()  # the handshake happens now, not at a request
         self._idle.append(channel)
 
     def fetch(self, request: FetchRequest) -> KVPayload:
+        landed = self._fetch(replace(request, reads_blocks=False), None)
+        assert landed.payload is not None
+        return landed.payload
+
+    def can_read_blocks(self, desc: Descriptor) -> bool:
+        return desc == self.peer_desc
+
+    def fetch_into(self, request: FetchRequest, reservation: BlockReservation) -> Landed:
+        if not self.can_read_blocks(reservation.buffers.desc):
+            raise TransferError("the peer's pool has another descriptor: fetch and convert")
+        if request.start_token != reservation.start_token:
+            raise ValueError("fetch_into: the request and the reservation start elsewhere")
+        end = (
+            reservation.start_token + len(reservation.block_ids) * self.peer_desc.layout.block_size
+        )
+        asked = request.token_ids[:end]  # the peer prefills and lends no more than fits
+        return self._fetch(replace(request, token_ids=asked, reads_blocks=True), reservation)
+
+    def _fetch(self, request: FetchRequest, reservation: BlockReservation | None) -> Landed:
         assert self.arena is not None
         slots = self.arena.acquire(1, self.config.io_timeout_s)
         try:
             channel, is_reused = self._take()
-            payload = self._fetch_retrying(channel, is_reused, request, slots[0])
+            landed = self._fetch_retrying(channel, is_reused, request, (slots[0], reservation))
         except NixlReadAbandoned:
             slots = []  # a READ may still land in it: never lend it again
             raise
         finally:
             self.arena.release(slots)
-        return payload
+        return landed
 
     def close(self) -> None:
         with self._lock:
@@ -83,19 +109,20 @@ class NixlKVClient(KVClient):
             if self.arena is not None:
                 self.arena.close()
                 self.arena = None
+            self._pools.close()
 
     def _fetch_retrying(
-        self, channel: _Channel, is_reused: bool, request: FetchRequest, slot: int
-    ) -> KVPayload:
+        self, channel: _Channel, is_reused: bool, request: FetchRequest, into: _Into
+    ) -> Landed:
         try:
-            payload = self._fetch_on(channel, request, slot)
+            payload = self._fetch_on(channel, request, into)
         except ClosedByPeer:
             channel.conn.close()
             if not is_reused:
                 raise
             channel = self._take_new()  # an idle connection the peer dropped: once more, fresh
             try:
-                payload = self._fetch_on(channel, request, slot)
+                payload = self._fetch_on(channel, request, into)
             except BaseException:
                 channel.conn.close()
                 raise
@@ -151,15 +178,22 @@ class NixlKVClient(KVClient):
         except OSError as exc:
             raise TransferError(f"cannot reach prefill peer {self.address}: {exc}") from exc
 
-    def _fetch_on(self, channel: _Channel, request: FetchRequest, slot: int) -> KVPayload:
-        conn = channel.conn
+    def _fetch_on(self, channel: _Channel, request: FetchRequest, into: _Into) -> Landed:
+        """One fetch: a container read through `into`'s arena slot, or, to a fetch that reads
+        blocks, the lent blocks READ into `into`'s reservation."""
+        conn, (slot, reservation) = channel.conn, into
         reply, expected = ask_kv(conn, request, self.config, self.desc, self.peer_desc)
-        size = self._checked_size(request, reply)
         timeouts = (self.config.io_timeout_s, self.config.transfer_timeout_s)
+        if reply["t"] == "blocks":
+            assert reservation is not None
+            own = self._pools.regions(reservation.buffers)
+            args = (reply, request, expected, reservation, own, min(timeouts))
+            return Landed(read_lent(conn, self.agent, channel.peer.agent_name, *args))
+        size = self._checked_size(request, reply)
         assert self.arena is not None
         data = np.frombuffer(self._buffers.take(size), dtype=np.uint8)  # [size], not yet written
         WindowReader(conn, self.arena, slot, channel.peer, timeouts).read_all(data)
-        return self._payload(memoryview(data), request, expected)
+        return Landed(0, self._payload(memoryview(data), request, expected))
 
     def _checked_size(self, request: FetchRequest, reply: dict) -> int:
         start, size = reply.get("start_token"), reply.get("num_bytes")

@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
+from kvabi.abi.buffers import CacheBuffers
 from kvabi.transfer.errors import TransferError, TransferTimeoutError
+from kvabi.transfer.pool_regions import PoolRegion, pool_regions
 
 log = logging.getLogger("kvabi.disagg")
 INSTALL_HINT = "pip install 'kvabi[nixl]' (nixl==1.5.1; keep torch==2.13.0: install it first)"
@@ -172,3 +174,42 @@ class Arena:
     def close(self) -> None:
         """Deregister the memory (no transfer may be in flight)."""
         self.agent.deregister_memory(self._reg)
+
+
+class PoolRegistry:
+    """Block pools registered with `agent` whole, once each (by their buffers' addresses),
+    so peers can READ their blocks (or READs can land in them) with no registration per
+    transfer."""
+
+    def __init__(self, agent: Any) -> None:  # noqa: ANN401
+        self.agent = agent
+        self._pools: dict[tuple[int, ...], tuple[list[PoolRegion], Any]] = {}
+        self._lock = threading.Lock()
+
+    def regions(self, pool: CacheBuffers) -> list[PoolRegion]:
+        """`pool`'s regions (pool_regions.py), registering its buffers on first sight."""
+        regions, key = pool_regions(pool), _addresses(pool)
+        with self._lock:
+            if key not in self._pools:
+                spans = [
+                    (t.data_ptr(), t.numel() * t.element_size(), 0, "")
+                    for t in pool.tensors.values()
+                ]
+                self._pools[key] = (regions, self.agent.register_memory(spans, "DRAM"))
+        return regions
+
+    def has(self, pool: CacheBuffers) -> bool:
+        """Whether `pool` is registered (with these very buffers)."""
+        with self._lock:
+            return _addresses(pool) in self._pools
+
+    def close(self) -> None:
+        """Deregister every pool (no transfer may be in flight)."""
+        with self._lock:
+            for _, registration in self._pools.values():
+                self.agent.deregister_memory(registration)
+            self._pools.clear()
+
+
+def _addresses(pool: CacheBuffers) -> tuple[int, ...]:
+    return tuple(t.data_ptr() for t in pool.tensors.values())

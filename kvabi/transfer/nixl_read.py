@@ -1,4 +1,4 @@
-"""One bounded NIXL READ from a peer's registered region into ours, under a deadline.
+"""One bounded NIXL READ from a peer's registered regions into ours, under a deadline.
 
 A READ posts once and is polled: a few tight polls (loopback transfers finish in microseconds
 to milliseconds), then short sleeps so the UCX progress threads get the CPU. A peer that stalls
@@ -31,8 +31,19 @@ def nixl_read(
     timeout_s: float,
 ) -> None:
     """Copy `num_bytes` from `remote_addr` at agent `peer` to `local_addr`, or raise."""
-    local = agent.get_xfer_descs([(local_addr, num_bytes, 0)], "DRAM")
-    remote = agent.get_xfer_descs([(remote_addr, num_bytes, 0)], "DRAM")
+    nixl_read_extents(agent, peer, [(local_addr, remote_addr, num_bytes)], timeout_s)
+
+
+def nixl_read_extents(
+    agent: Any,  # noqa: ANN401 - a nixl_agent
+    peer: str,
+    extents: list[tuple[int, int, int]],  # (local address, remote address, bytes)
+    timeout_s: float,
+) -> None:
+    """Copy every extent from agent `peer`'s memory into ours as one transfer, or raise."""
+    num_bytes = sum(n for _, _, n in extents)
+    local = agent.get_xfer_descs([(a, n, 0) for a, _, n in extents], "DRAM")
+    remote = agent.get_xfer_descs([(b, n, 0) for _, b, n in extents], "DRAM")
     try:
         handle = agent.initialize_xfer("READ", local, remote, peer)
     except Exception as exc:  # nixl raises its own types for a bad region or a gone peer

@@ -8,6 +8,15 @@ staged into registered slots borrowed from the arena and published window by win
 (nixl_windows.py), a layer at a time when the provider streams them (`KVStream`); the slots
 go back once every window was acknowledged (or on any error). A provider failure is answered
 with an `error` message; the connection stays usable.
+
+A fetch that `reads_blocks` (the asker's pool has our descriptor) may get a loan of the pool's
+blocks instead: the pool's buffers are registered with the agent once, and a `blocks` message
+names the blocks and where each buffer lies; a `sums` message follows with each buffer's
+checksum over those blocks (pool_regions.py), taken while the asker READs them straight into
+its own pool. It answers `done`; only then is the loan released, so the blocks cannot change
+under the READ. The pool is readable by
+authenticated peers only (they learn its addresses after the handshake), as vLLM's
+NixlConnector exposes its KV cache to its peers.
 """
 
 from __future__ import annotations
@@ -17,14 +26,17 @@ import socket
 
 import torch
 
+from kvabi.abi.buffers import CacheBuffers
 from kvabi.abi.descriptor import Descriptor
-from kvabi.transfer.errors import TransferTimeoutError
+from kvabi.transfer.errors import TransferError, TransferTimeoutError
 from kvabi.transfer.fetch_loop import sections, serve_fetches
 from kvabi.transfer.framing import expect, recv_msg, send_msg
 from kvabi.transfer.kv_listener import KVListener
-from kvabi.transfer.nixl_memory import Arena, make_agent
+from kvabi.transfer.nixl_memory import Arena, PoolRegistry, make_agent
 from kvabi.transfer.nixl_windows import WindowSink
+from kvabi.transfer.pool_regions import block_sums
 from kvabi.transfer.transport import (
+    KVLoan,
     KVServer,
     KVStream,
     StreamProvider,
@@ -45,10 +57,15 @@ class NixlKVServer(KVServer):
         provider: StreamProvider,
         arena_shape: tuple[int, int],  # (slot_bytes, num_slots)
         depth: int = 2,
+        pool: CacheBuffers | None = None,  # whose blocks `provider` may lend
     ) -> None:
         self.config, self.desc, self.provider, self.depth = config, desc, provider, depth
         self.agent = make_agent("prefill")
         self.arena = Arena(self.agent, *arena_shape)
+        self._pools = PoolRegistry(self.agent)
+        if pool is not None:
+            self._pools.regions(pool)  # before any peer loads our metadata
+        self._lends = pool is not None
         self._listener = KVListener(address, config, desc, self._serve, "kvabi-nixl-accept")
         self._listener.start()
 
@@ -61,13 +78,15 @@ class NixlKVServer(KVServer):
             return
         self._listener.close()
         self.arena.close()
+        self._pools.close()
 
     def _serve(self, conn: socket.socket) -> None:
         """An authenticated connection (KVListener did the handshake); errors end it."""
         expect(recv_msg(conn, 4096), "nixl_hello")
         md = self.agent.get_agent_metadata()
         send_msg(conn, {"t": "nixl_md", "md": md, **self.arena.info().to_msg()})
-        serve_fetches(conn, self.config, self.desc, self.provider, self._send, self._is_closed)
+        send, lend = self._send, (self._lend if self._lends else None)
+        serve_fetches(conn, self.config, self.desc, self.provider, send, self._is_closed, lend)
 
     def _is_closed(self) -> bool:
         return self._listener.is_closed
@@ -97,6 +116,30 @@ class NixlKVServer(KVServer):
             sink.finish()
         finally:
             self.arena.release(slots)
+
+    def _lend(self, conn: socket.socket, loan: KVLoan) -> None:
+        """The `blocks` message, then wait (up to the transfer timeout) for the asker's
+        `done`; the loan is released whatever happens."""
+        try:
+            if not self._pools.has(loan.buffers):
+                raise TransferError("a loan of a pool not given to listen(): peers cannot READ it")
+            regions = self._pools.regions(loan.buffers)
+            msg = {
+                "t": "blocks",
+                "start_token": loan.start_token,
+                "num_tokens": len(loan.token_ids),
+                "block_hashes": list(loan.block_hashes),
+                "block_ids": list(loan.block_ids),
+                "regions": [r.to_msg() for r in regions],
+            }
+            send_msg(conn, msg)
+            sums = block_sums(loan.buffers, loan.block_ids)  # while the asker READs
+            send_msg(conn, {"t": "sums", "sums": [sums[r.key] for r in regions]})
+            conn.settimeout(self.config.transfer_timeout_s)
+            expect(recv_msg(conn, 4096), "done")
+            conn.settimeout(self.config.io_timeout_s)
+        finally:
+            loan.release()
 
     def _sink(self, conn: socket.socket, slots: list[int], stream: KVStream) -> WindowSink:
         """Where a stream's container bytes go (a seam: tests/transfer/faults.py stages them

@@ -13,6 +13,7 @@ vLLM's NixlConnector moves KV. Integrity is the container's own section checksum
 
 from __future__ import annotations
 
+from kvabi.abi.buffers import CacheBuffers
 from kvabi.abi.descriptor import Descriptor
 from kvabi.transfer.nixl_client import NixlKVClient
 from kvabi.transfer.nixl_memory import load_nixl
@@ -34,11 +35,18 @@ class NixlTransport(Transport):
         load_nixl()  # a clear NixlUnavailableError now, not at the first transfer
         self.config, self.slot_bytes, self.num_slots = config, slot_bytes, num_slots
 
-    def listen(self, address: str, desc: Descriptor, provider: StreamProvider) -> KVServer:
+    def listen(
+        self,
+        address: str,
+        desc: Descriptor,
+        provider: StreamProvider,
+        pool: CacheBuffers | None = None,
+    ) -> KVServer:
         """Serve on `address` (default deployments bind 127.0.0.1); `provider` may answer
-        with a `KVStream`, published layer by layer."""
+        with a `KVStream`, published layer by layer, or lend blocks of `pool` (registered
+        now, so that the agent metadata peers load names it)."""
         shape = (self.slot_bytes, self.num_slots)
-        return NixlKVServer(self.config, address, desc, provider, shape, DEPTH)
+        return NixlKVServer(self.config, address, desc, provider, shape, DEPTH, pool)
 
     def connect(self, address: str, desc: Descriptor) -> KVClient:
         """Connect, handshake and learn the peer's NIXL agent now."""

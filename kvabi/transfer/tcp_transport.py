@@ -64,9 +64,15 @@ class TcpTransport(Transport):
     def __init__(self, config: TransportConfig) -> None:
         self.config = config
 
-    def listen(self, address: str, desc: Descriptor, provider: StreamProvider) -> KVServer:
+    def listen(
+        self,
+        address: str,
+        desc: Descriptor,
+        provider: StreamProvider,
+        pool: CacheBuffers | None = None,
+    ) -> KVServer:
         """Serve on `address` (default deployments bind 127.0.0.1); `provider` may answer
-        with a `KVStream`, sent layer by layer."""
+        with a `KVStream`, sent layer by layer. No peer READs `pool`: a loan goes as a copy."""
         return TcpKVServer(self.config, address, desc, provider)
 
     def connect(self, address: str, desc: Descriptor) -> KVClient:

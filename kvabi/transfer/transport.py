@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvabi.abi.buffers import owner_layers
+from kvabi.abi.buffers import CacheBuffers, owner_layers
 from kvabi.abi.descriptor import Descriptor
-from kvabi.cache.kv_cache import FetchRequest, KVPayload
+from kvabi.cache.kv_cache import BlockReservation, FetchRequest, KVLoan, KVPayload
 from kvabi.wire.container_format import extent_for
 from kvabi.wire.container_writer import layer_tensors
 
@@ -48,8 +48,19 @@ class KVStream:
 
 KVProvider = Callable[[FetchRequest], KVPayload]  # runs the prefill, returns its blocks
 # A transport with `streams_layers` takes this instead: layer l goes on the wire while the
-# prefill computes layer l + 1.
-StreamProvider = Callable[[FetchRequest], KVPayload | KVStream]
+# prefill computes layer l + 1. To a request that `reads_blocks` it may answer with a loan
+# of its pool's blocks (a transport that cannot READ them sends a copy).
+StreamProvider = Callable[[FetchRequest], KVPayload | KVStream | KVLoan]
+
+
+@dataclass(frozen=True)
+class Landed:
+    """What `KVClient.fetch_into` brought: `num_blocks` verified blocks written into the
+    reservation's first blocks, or, from a peer that could not lend its pool's blocks, a
+    `payload` to place as any fetch's (then nothing was written)."""
+
+    num_blocks: int
+    payload: KVPayload | None = None
 
 
 @dataclass(frozen=True)
@@ -104,14 +115,32 @@ class KVClient(ABC):
     def close(self) -> None:
         """Close every connection."""
 
+    def can_read_blocks(self, desc: Descriptor) -> bool:
+        """Whether `fetch_into` can READ the peer's pool blocks into a pool of `desc`."""
+        return False
+
+    def fetch_into(self, request: FetchRequest, reservation: BlockReservation) -> Landed:
+        """Have the peer prefill the prompt and READ its blocks straight into the reserved
+        ones, verified before this returns (on a checksum mismatch a `ChecksumError`; the
+        blocks must then not be indexed)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot read a peer's pool blocks")
+
 
 class Transport(ABC):
     name: str
     streams_layers: bool = False  # listen() takes a StreamProvider
 
     @abstractmethod
-    def listen(self, address: str, desc: Descriptor, provider: KVProvider) -> KVServer:
-        """Serve `provider`'s answers on `address` (`host:port`; port 0 picks a free one)."""
+    def listen(
+        self,
+        address: str,
+        desc: Descriptor,
+        provider: KVProvider,
+        pool: CacheBuffers | None = None,
+    ) -> KVServer:
+        """Serve `provider`'s answers on `address` (`host:port`; port 0 picks a free one).
+        `pool`: the block pool whose blocks the provider may lend (`KVLoan`), for a transport
+        whose peers READ them; None: it never lends."""
 
     @abstractmethod
     def connect(self, address: str, desc: Descriptor) -> KVClient:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 from kvabi.engine.engine import EngineConfig, LLMEngine
 from kvabi.engine.outputs import OutputAccumulator
 from kvabi.engine.sampling_params import SamplingParams
 from kvabi.transfer.tcp_transport import TcpTransport
-from kvabi.transfer.transport import FetchRequest, KVPayload, KVServer, TransportConfig
+from kvabi.transfer.transport import FetchRequest, KVLoan, KVPayload, KVServer, TransportConfig
 from tests.engine.tiny import tiny_loaded
 
 SECRET = b"0123456789abcdef-test-secret"
@@ -24,15 +25,24 @@ def engine(layout: str = "nhd", block_size: int = 4, fingerprint: str = "tiny") 
 
 
 def prefill_provider(e: LLMEngine):
-    """Prefill (max_tokens=1) on `e`, then export its blocks; one request at a time."""
+    """Prefill (max_tokens=1) on `e`, then export its blocks, or lend them to a fetch that
+    reads blocks; one request at a time (a loan is released under the same lock)."""
     lock = threading.Lock()
 
-    def provide(request: FetchRequest) -> KVPayload:
+    def release(loan: KVLoan) -> None:
         with lock:
-            e.add_request(list(request.token_ids), SamplingParams(max_tokens=1))
+            loan.release()
+
+    def provide(request: FetchRequest) -> KVPayload | KVLoan:
+        ids, salt, start = request.token_ids, request.cache_salt, request.start_token
+        with lock:
+            e.add_request(list(ids), SamplingParams(max_tokens=1))
             while e.has_unfinished():
                 e.step()
-            return e.cache.export(request.token_ids, request.cache_salt, request.start_token)
+            if request.reads_blocks:
+                loan = e.cache.lend(ids, salt, start)
+                return replace(loan, release=lambda: release(loan))
+            return e.cache.export(ids, salt, start)
 
     return provide
 

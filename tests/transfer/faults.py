@@ -104,7 +104,9 @@ class FaultyWindowSink(WindowSink):
 class FaultyTcpTransport(TcpTransport):
     plan = ""  # set per subclass (`faulty`)
 
-    def listen(self, address: str, desc: Descriptor, provider: StreamProvider) -> KVServer:
+    def listen(
+        self, address: str, desc: Descriptor, provider: StreamProvider, pool: object = None
+    ) -> KVServer:
         plan = FaultPlan(self.plan)
 
         class Server(TcpKVServer):
@@ -118,7 +120,9 @@ class FaultyTcpTransport(TcpTransport):
 class FaultyNixlTransport(NixlTransport):
     plan = ""
 
-    def listen(self, address: str, desc: Descriptor, provider: StreamProvider) -> KVServer:
+    def listen(
+        self, address: str, desc: Descriptor, provider: StreamProvider, pool: object = None
+    ) -> KVServer:
         plan = FaultPlan(self.plan)
 
         class Server(NixlKVServer):
@@ -130,7 +134,7 @@ class FaultyNixlTransport(NixlTransport):
                 return FaultyWindowSink(fault, conn, self.arena, slots, deadline)
 
         shape = (self.slot_bytes, self.num_slots)
-        return Server(self.config, address, desc, provider, shape, DEPTH)
+        return Server(self.config, address, desc, provider, shape, DEPTH, pool)
 
 
 def faulty(transport: type, plan: str) -> type:

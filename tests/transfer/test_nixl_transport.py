@@ -182,12 +182,19 @@ def test_two_processes_fetch_stall_and_die(peers):
     os.kill(frozen.process.pid, signal.SIGCONT)
 
 
-def test_kvabi_serve_over_nixl_decodes_like_colocated(tmp_path):
+@pytest.mark.parametrize(
+    ("prefill_blocks", "via"),
+    [(("hnd", 4), ""), (("nhd", 8), ";via=pool-read")],
+    ids=["container", "pool-read"],
+)
+def test_kvabi_serve_over_nixl_decodes_like_colocated(tmp_path, prefill_blocks, via):
+    """Into a decode pool of NHD blocks of 8: from HND blocks of 4 as a container, converted
+    on receipt; from a pool of the same descriptor READ block by block, no copy."""
     from tests.disagg.processes import Instance, start_all, through_router, tiny_args
     from tests.server.tiny_server import tiny_folder
 
     folder = str(tiny_folder(tmp_path))
-    prefill = Instance(tiny_args(folder), "prefill", "hnd", 4, "--kv-transport", "nixl")
+    prefill = Instance(tiny_args(folder), "prefill", *prefill_blocks, "--kv-transport", "nixl")
     decode = Instance(
         tiny_args(folder), "decode", "nhd", 8, "--kv-peer", prefill.kv_address,
         "--kv-transport", "nixl",
@@ -212,8 +219,12 @@ def test_kvabi_serve_over_nixl_decodes_like_colocated(tmp_path):
         content = got.json()["choices"][0]["message"]["content"]
         assert content and content == want.json()["choices"][0]["message"]["content"]
         num_prompt = got.json()["usage"]["prompt_tokens"]
-        assert got.headers["x-kvabi-kv"] == f"prefill;tokens={num_prompt // 8 * 8}"
-        assert decode.free_blocks() == (128, 128) and prefill.free_blocks() == (128, 128)
+        assert got.headers["x-kvabi-kv"] == f"prefill;tokens={num_prompt // 8 * 8}{via}"
+        assert decode.free_blocks() == (128, 128)
+        deadline = time.monotonic() + 5  # a loan is released just after the decode side's done
+        while prefill.free_blocks() != (128, 128) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert prefill.free_blocks() == (128, 128)
     finally:
         prefill.process.stop(), decode.process.stop()
 

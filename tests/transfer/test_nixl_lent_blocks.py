@@ -1,0 +1,146 @@
+"""NIXL READs straight from the prefill pool into the decode pool: a loan of the prefill
+engine's pooled blocks, READ into blocks the decode engine reserved, verified, then indexed.
+Real engines (the tiny model), in-process peers over loopback. Skipped without nixl."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvabi.cache.kv_cache import ImportResult
+from kvabi.transfer import lent_blocks
+from kvabi.transfer.errors import RemoteError, TransferError
+from kvabi.transfer.nixl_memory import is_nixl_available
+from kvabi.transfer.transport import FetchRequest
+from kvabi.wire.errors import ChecksumError
+from tests.disagg.tiny_peers import engine, greedy, prefill_provider
+from tests.engine.tiny import greedy_reference
+from tests.transfer.test_nixl_transport import PROMPT, nixl, tcp_payload
+
+pytestmark = pytest.mark.skipif(not is_nixl_available(), reason="nixl is not installed")
+
+
+def released(e, timeout_s: float = 5.0) -> bool:
+    """Whether the prefill's pool gets every block back (its server releases a loan once it
+    reads our `done`, a moment after the fetch returned)."""
+    deadline = time.monotonic() + timeout_s
+    while e.cache.pool.num_free != 64 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return e.cache.pool.num_free == 64
+
+
+@pytest.fixture
+def prefill():
+    e = engine("nhd", 4)
+    pool = e.cache.storage.buffers
+    server = nixl().listen("127.0.0.1:0", e.info.descriptor, prefill_provider(e), pool)
+    yield e, server
+    server.close()
+
+
+def test_lent_blocks_land_in_the_reserved_ones_and_decode_like_the_prefill(prefill):
+    e, server = prefill
+    decode = engine("nhd", 4)  # the peer's descriptor: blocks are READ as they lie
+    client = nixl().connect(server.address, decode.info.descriptor)
+    assert client.can_read_blocks(decode.info.descriptor)
+    assert not client.can_read_blocks(engine("hnd", 8).info.descriptor)
+    taken = decode.cache.pool.allocate(3)  # so the reserved blocks are not the lent ones' ids
+    reservation = decode.cache.reserve(PROMPT, None, 0, 5)
+    assert reservation.block_ids == (3, 4, 5, 6, 7) and reservation.pooled == ()
+
+    landed = client.fetch_into(FetchRequest(PROMPT), reservation)
+
+    assert (landed.num_blocks, landed.payload) == (5, None)
+    assert released(e)  # the loan: nothing stays pinned on the peer
+    sent = tcp_payload(FetchRequest(PROMPT), decode.info.descriptor)  # NHD blocks of 4
+    for key, t in decode.cache.storage.buffers.tensors.items():
+        assert torch.equal(t[:, 3:8], sent.cache.tensors[key]), key
+    assert decode.cache.commit(reservation, landed.num_blocks) == ImportResult(20, 5)
+    decode.cache.pool.free(taken)
+    want = greedy(engine("nhd", 4), list(PROMPT))
+    assert greedy(decode, list(PROMPT)) == want == list(greedy_reference(PROMPT, len(want)))
+    client.close()
+
+
+def test_a_suffix_is_lent_after_the_held_prefix(prefill):
+    e, server = prefill
+    decode = engine("nhd", 4)
+    client = nixl().connect(server.address, decode.info.descriptor)
+    first = decode.cache.reserve(PROMPT, None, 0, 2)
+    assert client.fetch_into(FetchRequest(PROMPT), first).num_blocks == 2  # asks for 8 tokens
+    assert decode.cache.commit(first, 2) == ImportResult(8, 2)
+    rest = decode.cache.reserve(PROMPT, None, 8, 3)
+    assert rest.pooled == (0, 1)  # the held prefix stays pinned meanwhile
+    assert client.fetch_into(FetchRequest(PROMPT, 8), rest).num_blocks == 3
+    assert decode.cache.commit(rest, 3) == ImportResult(20, 3)
+    assert decode.cache.pool.num_free == 64 and released(e)
+    client.close()
+
+
+def test_a_byte_damaged_on_the_way_fails_its_checksum_and_is_not_indexed(prefill, monkeypatch):
+    e, server = prefill
+    decode = engine("nhd", 4)
+    real_read = lent_blocks.nixl_read_extents
+
+    def read_then_damage(agent, peer, extents, timeout_s):  # one bit flips in transit
+        real_read(agent, peer, extents, timeout_s)
+        decode.cache.storage.buffers.tensors["1"][1, 3].view(torch.uint8).view(-1)[9] ^= 4
+
+    monkeypatch.setattr(lent_blocks, "nixl_read_extents", read_then_damage)
+    client = nixl().connect(server.address, decode.info.descriptor)
+    reservation = decode.cache.reserve(PROMPT, None, 0, 5)
+    assert reservation.block_ids == (0, 1, 2, 3, 4)
+    with pytest.raises(ChecksumError, match=r"buffers \['1'\]"):
+        client.fetch_into(FetchRequest(PROMPT), reservation)
+    decode.cache.cancel(reservation)
+    assert (decode.cache.pool.num_free, decode.cache.pool.num_cached) == (64, 0)
+    assert released(e)
+    client.close()
+
+
+def test_a_peer_with_another_layout_is_not_read_but_fetched(prefill):
+    _, server = prefill
+    decode = engine("hnd", 4)
+    client = nixl().connect(server.address, decode.info.descriptor)
+    reservation = decode.cache.reserve(PROMPT, None, 0, 5)
+    with pytest.raises(TransferError, match="another descriptor"):
+        client.fetch_into(FetchRequest(PROMPT), reservation)
+    decode.cache.cancel(reservation)
+    assert client.fetch(FetchRequest(PROMPT)).end_token == 20  # the container path still works
+    client.close()
+
+
+def test_a_provider_that_cannot_lend_answers_with_a_container():
+    e = engine("nhd", 4)
+    provide = prefill_provider(e)
+    server = nixl().listen(
+        "127.0.0.1:0", e.info.descriptor, lambda r: provide(FetchRequest(r.token_ids))
+    )  # never lends: as a hybrid or TP prefill
+    decode = engine("nhd", 4)
+    client = nixl().connect(server.address, decode.info.descriptor)
+    reservation = decode.cache.reserve(PROMPT, None, 0, 5)
+    landed = client.fetch_into(FetchRequest(PROMPT), reservation)
+    decode.cache.cancel(reservation)
+    assert landed.num_blocks == 0 and landed.payload.end_token == 20
+    client.close(), server.close()
+
+
+def test_a_loan_to_a_transport_that_cannot_read_blocks_goes_as_a_copy():
+    from kvabi.transfer.tcp_transport import TcpTransport
+    from tests.disagg.tiny_peers import config
+
+    e = engine("nhd", 4)
+    provide = prefill_provider(e)
+    server = TcpTransport(config()).listen(
+        "127.0.0.1:0",
+        e.info.descriptor,
+        lambda r: provide(FetchRequest(r.token_ids, 0, None, True)),
+    )  # lends whatever is asked
+    client = TcpTransport(config()).connect(server.address, e.info.descriptor)
+    payload = client.fetch(FetchRequest(PROMPT))
+    assert payload.end_token == 20 and e.cache.pool.num_free == 64  # copied, then released
+    with pytest.raises((RemoteError, NotImplementedError)):
+        client.fetch_into(FetchRequest(PROMPT), None)
+    client.close(), server.close()
