@@ -22,9 +22,11 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 
 from kvabi.abi.buffers import CacheBuffers, owner_layers
 from kvabi.cache.kv_cache import KVCache
+from kvabi.disagg.pool_reads import import_payload, read_into_pool
 from kvabi.disagg.settings import DisaggSettings
 from kvabi.engine.async_engine import AsyncEngine
 from kvabi.engine.request_handle import EngineError, RequestHandle
@@ -32,12 +34,13 @@ from kvabi.engine.sampling_params import SamplingParams
 from kvabi.engine.sequence import Sequence
 from kvabi.routing.router import NO_PEER
 from kvabi.transfer.errors import RemoteError, TransferError
-from kvabi.transfer.kv_staging import fetch_start, stage_payload
+from kvabi.transfer.kv_staging import fetch_start
 from kvabi.transfer.layer_feed import LayerFeed
 from kvabi.transfer.peer_backoff import PeerBackoff
 from kvabi.transfer.transport import (
     FetchRequest,
     KVClient,
+    KVLoan,
     KVPayload,
     KVServer,
     KVStream,
@@ -97,20 +100,22 @@ class PrefillRole:
     def start(self) -> None:
         """Listen on the KV endpoint; call from the event loop, after the engine started."""
         self._loop = asyncio.get_running_loop()
-        desc = self.engine.engine.info.descriptor
+        desc, cache = self.engine.engine.info.descriptor, self.engine.engine.cache
         transport = self.settings.make_transport()
         provider: StreamProvider = self._provide
         if transport.streams_layers and self._feeds is not None:
             provider = self._provide_stream
-        self.server = transport.listen(self.settings.kv_address, desc, provider)
+        lent = cache.lent_buffers  # NIXL peers READ its blocks straight out of the pool
+        self.server = transport.listen(self.settings.kv_address, desc, provider, lent)
         log.info("prefill KV endpoint on %s", self.server.address)
 
     def stop(self) -> None:
         if self.server is not None:
             self.server.close()
 
-    def _provide(self, request: FetchRequest) -> KVPayload:
-        """On a transport thread: prefill on the engine, then export; bounded by the timeout."""
+    def _provide(self, request: FetchRequest) -> KVPayload | KVLoan:
+        """On a transport thread: prefill on the engine, then export (or, to a fetch that
+        reads blocks, lend them); bounded by the timeout."""
         assert self._loop is not None
         future = asyncio.run_coroutine_threadsafe(self._prefill(request), self._loop)
         try:
@@ -118,7 +123,7 @@ class PrefillRole:
         finally:
             future.cancel()  # past the timeout: abort the prefill (no-op once done)
 
-    async def _prefill(self, request: FetchRequest) -> KVPayload:
+    async def _prefill(self, request: FetchRequest) -> KVPayload | KVLoan:
         ids = self.engine.engine.prompt_ids(list(request.token_ids))  # checks, as a request's
         params = SamplingParams(max_tokens=1, temperature=0, cache_salt=request.cache_salt)
         handle = self.engine.submit(ids, params)
@@ -129,13 +134,23 @@ class PrefillRole:
         finally:
             self.engine.abort(handle)  # no-op once finished
         ids, salt, start = request.token_ids, request.cache_salt, request.start_token
+        if request.reads_blocks and self.engine.engine.cache.lends_blocks:
+            loan = await self.engine.call(lambda engine: engine.cache.lend(ids, salt, start))
+            return replace(loan, release=lambda: self._release(loan))
         return await self.engine.call(lambda engine: engine.cache.export(ids, salt, start))
 
-    def _provide_stream(self, request: FetchRequest) -> KVPayload | KVStream:
+    def _release(self, loan: KVLoan) -> None:
+        """A loan's release, from a transport thread: on the engine thread, not waited for."""
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self.engine.call, lambda _: loan.release())
+
+    def _provide_stream(self, request: FetchRequest) -> KVPayload | KVStream | KVLoan:
         """On a transport thread: the prompt's full blocks from `start_token` on, each layer
         as the forward stores it (`_layer_stored`); nothing to send runs no prefill."""
         assert self._loop is not None
         engine = self.engine.engine
+        if request.reads_blocks and engine.cache.lends_blocks:
+            return self._provide(request)  # lent once the prefill is done, not streamed
         desc, ids = engine.info.descriptor, engine.prompt_ids(list(request.token_ids))
         bs, salt = desc.layout.block_size, request.cache_salt
         blocks = slice(request.start_token // bs, len(ids) // bs)
@@ -192,7 +207,8 @@ class DecodeRole:
 
     async def pull(self, peer: str | None, prompt_ids: list[int], params: SamplingParams) -> str:
         """Fetch and place the prompt's KV; returns where it came from (the `X-Kvabi-KV`
-        value): `prefill;tokens=N` (N tokens the pool now holds, some fetched), `pool;tokens=N`
+        value): `prefill;tokens=N` (N tokens the pool now holds, some fetched; with
+        `;via=pool-read` when they were READ straight from the peer's pool), `pool;tokens=N`
         (the pool already held every block a fetch could bring), or `local;reason=...` when
         this instance computes it (a failure, a short prompt, no peer, a peer backed off)."""
         address = peer or (self.settings.peers[0] if self.settings.peers else None)
@@ -229,13 +245,17 @@ class DecodeRole:
         sent = (len(asked) - start) // peer_bs * peer_bs  # the peer sends whole blocks of its size
         if start + sent // own_bs * own_bs <= held:  # of which we place whole blocks of ours
             return f"pool;tokens={held}" if held else "local;reason=short-prompt"
-        payload = await asyncio.to_thread(client.fetch, FetchRequest(asked, start, salt))
-        desc = self.engine.engine.info.descriptor
-        payload = await asyncio.to_thread(stage_payload, payload, desc)  # off the engine thread
-        result = await self.engine.call(lambda e: e.cache.import_blocks(ids, salt, payload))
-        if result.num_cached_tokens <= held:
+        request, desc = FetchRequest(asked, start, salt), self.engine.engine.info.descriptor
+        via = ""
+        if cache.lends_blocks and client.can_read_blocks(desc):  # pool to pool, no copy
+            result = await read_into_pool(self.engine, client, request, sent // own_bs)
+            via = ";via=pool-read" if result is not None and result.num_placed_blocks else ""
+        else:
+            payload = await asyncio.to_thread(client.fetch, request)
+            result = await import_payload(self.engine, ids, salt, payload)
+        if result is None or result.num_cached_tokens <= held:
             return f"pool;tokens={held}" if held else "local;reason=nothing-fetched"
-        return f"prefill;tokens={result.num_cached_tokens}"
+        return f"prefill;tokens={result.num_cached_tokens}{via}"
 
     async def _client(self, address: str) -> KVClient:
         async with self._connecting:  # one handshake per peer, however many requests wait
