@@ -30,7 +30,7 @@ from kvabi.bench.report import write_json
 from kvabi.bench.transfer_peer import make_transport, token_ids
 from kvabi.transfer.kv_staging import stage_payload
 from kvabi.transfer.nixl_memory import is_nixl_available
-from kvabi.transfer.transport import FetchRequest
+from kvabi.transfer.transport import FetchRequest, KVClient
 
 
 def run(quick: bool, json_path: str | None, model_name: str = "smollm2-135m") -> dict:
@@ -59,11 +59,11 @@ def transfer(model_name: str, num_tokens: int, repeats: int) -> dict:
         "fetch_and_place_ratio": t["raw_place"] / t["place"],
         "nixl_transport_gbps": None,
         "nixl_vs_raw_socket_ratio": None,
-    }
+    }  # nixl_rows.py adds the NIXL rows' figures when nixl is installed
     if is_nixl_available():
-        _, t = _fetch_times(model_name, num_tokens, "nixl", dst_desc, repeats)
-        figures["nixl_transport_gbps"] = nbytes / t["fetch"] / 1e9
-        figures["nixl_vs_raw_socket_ratio"] = t["raw"] / t["fetch"]
+        from kvabi.bench.nixl_rows import nixl_figures
+
+        figures |= nixl_figures(model_name, num_tokens, dst_desc, repeats, nbytes)
     _print(model_name, figures)
     return figures
 
@@ -79,25 +79,32 @@ def _fetch_times(
     """The peer's info and best seconds of: its raw copy (`raw`) and a fetch over `transport`
     (`fetch`), interleaved; with `place`, also a fetch converted for placement (`place`) and
     the raw copy interleaved with it (`raw_place`)."""
-    with _peer(model_name, num_tokens, transport) as info:
+    with prefill_peer(model_name, num_tokens, transport) as info:
         client = make_transport(transport).connect(info["address"], dst_desc)
         request = FetchRequest(token_ids(info["num_tokens"]))
-        raw = _raw_receiver(info["raw_port"], info["num_bytes"])
+        raw = raw_receiver(info["raw_port"], info["num_bytes"])
         try:
-            raw_s, fetch_s = _interleaved_best([raw, lambda: client.fetch(request)], repeats)
+            raw_s, fetch_s = interleaved_best([raw, lambda: client.fetch(request)], repeats)
             times = {"raw": raw_s, "fetch": fetch_s}
             if place:
-                fn = lambda: stage_payload(client.fetch(request), dst_desc)  # noqa: E731
-                times["raw_place"], times["place"] = _interleaved_best(
-                    [raw, fn], max(3, repeats // 4)
-                )
+                times |= place_times(client, request, dst_desc, raw, repeats)
         finally:
             client.close()
     return info, times
 
 
+def place_times(
+    client: KVClient, request: FetchRequest, dst_desc: Descriptor, raw: Callable, repeats: int
+) -> dict[str, float]:
+    """Best seconds of a fetch converted for placement (`place`) and of the raw copy
+    interleaved with it (`raw_place`)."""
+    fn = lambda: stage_payload(client.fetch(request), dst_desc)  # noqa: E731
+    raw_s, place_s = interleaved_best([raw, fn], max(3, repeats // 4))
+    return {"raw_place": raw_s, "place": place_s}
+
+
 @contextmanager
-def _peer(model_name: str, num_tokens: int, transport: str) -> Iterator[dict]:
+def prefill_peer(model_name: str, num_tokens: int, transport: str) -> Iterator[dict]:
     """A prefill-side process (transfer_peer.py) serving over `transport`; yields its
     addresses and stops it on exit."""
     args = [sys.executable, "-m", "kvabi.bench.transfer_peer", model_name, str(num_tokens)]
@@ -116,29 +123,35 @@ def _peer(model_name: str, num_tokens: int, transport: str) -> Iterator[dict]:
 
 
 def _print(model_name: str, f: dict) -> None:
-    nixl_row = (
-        ["kvabi nixl transport (fetch)", f["nixl_transport_gbps"], f["nixl_vs_raw_socket_ratio"]]
-        if f["nixl_transport_gbps"]
-        else ["kvabi nixl transport", "not installed", ""]
-    )
+    nixl_rows = [["kvabi nixl transport", "not installed", "", ""]]
+    if f["nixl_transport_gbps"]:
+        from kvabi.bench.nixl_rows import nixl_table_rows
+
+        nixl_rows = nixl_table_rows(f)
     print_table(
         f"KV transfer, {model_name}, {f['num_tokens']} tokens, {f['bytes'] / 1e6:.1f} MB over "
         "127.0.0.1, prefill side in its own process",
-        ["path", "GB/s", "vs raw socket"],
+        ["path", "GB/s", "vs raw socket", "vs raw NIXL READ"],
         [
-            ["raw socket copy of the container (baseline)", f["raw_socket_gbps"], 1.0],
-            ["kvabi tcp transport (fetch)", f["tcp_transport_gbps"], f["tcp_vs_raw_socket_ratio"]],
+            ["raw socket copy of the container (baseline)", f["raw_socket_gbps"], 1.0, ""],
             [
-                "fetch + convert HND/16 -> NHD/32",
+                "kvabi tcp transport (fetch)",
+                f["tcp_transport_gbps"],
+                f["tcp_vs_raw_socket_ratio"],
+                "",
+            ],
+            [
+                "tcp fetch + convert HND/16 -> NHD/32",
                 f["fetch_and_place_gbps"],
                 f["fetch_and_place_ratio"],
+                "",
             ],
-            nixl_row,
+            *nixl_rows,
         ],
     )
 
 
-def _interleaved_best(fns: list[Callable[[], object]], repeats: int) -> list[float]:
+def interleaved_best(fns: list[Callable[[], object]], repeats: int) -> list[float]:
     """Each function's fastest of `repeats` timed calls, taken in turn (a, b, c, a, b, c, ...)
     after one untimed round: a noisy neighbour then slows every path alike, not one of them."""
     best = [float("inf")] * len(fns)
@@ -151,7 +164,7 @@ def _interleaved_best(fns: list[Callable[[], object]], repeats: int) -> list[flo
     return best
 
 
-def _raw_receiver(port: int, nbytes: int) -> Callable[[], None]:
+def raw_receiver(port: int, nbytes: int) -> Callable[[], None]:
     """One raw copy per call: ask the peer for the container bytes, receive them into a
     preallocated buffer (4 MiB reads, as the transport's)."""
     conn = socket.create_connection(("127.0.0.1", port))

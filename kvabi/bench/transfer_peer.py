@@ -20,11 +20,12 @@ import torch
 
 from kvabi.abi.buffers import CacheBuffers, allocate
 from kvabi.abi.catalog import catalog_model
+from kvabi.abi.convert import convert
 from kvabi.abi.descriptor import Descriptor
 from kvabi.abi.presets import preset_descriptor
 from kvabi.cache.block_hasher import BlockHasher
 from kvabi.transfer.tcp_transport import TcpTransport
-from kvabi.transfer.transport import KVPayload, Transport, TransportConfig
+from kvabi.transfer.transport import KVLoan, KVPayload, KVServer, Transport, TransportConfig
 from kvabi.wire.container_writer import container_bytes
 
 SECRET = b"kvabi-bench-disagg-secret"
@@ -52,7 +53,9 @@ def payload(desc: Descriptor, num_tokens: int) -> KVPayload:
 def main(model_name: str, num_tokens: int, transport: str) -> None:
     desc = preset_descriptor(SRC_PRESET, catalog_model(model_name))
     kv = payload(desc, num_tokens)
-    server = make_transport(transport).listen("127.0.0.1:0", desc, lambda _: kv)
+    loan = lent(kv)
+    provide = lambda r: loan if r.reads_blocks else kv  # noqa: E731
+    server = make_transport(transport).listen("127.0.0.1:0", desc, provide, loan.buffers)
     blob = container_bytes(kv.cache, kv.token_ids, kv.block_hashes)
     raw = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_send_on_request, args=(raw, blob), daemon=True).start()
@@ -62,9 +65,33 @@ def main(model_name: str, num_tokens: int, transport: str) -> None:
         "num_bytes": len(blob),
         "num_tokens": len(kv.token_ids),
     }
+    if transport == "nixl":  # a registered copy of the container, for a raw NIXL READ of it
+        addresses |= _raw_nixl(server, blob)
     print(json.dumps(addresses), flush=True)
     sys.stdin.read()  # the bench closes stdin (or exits) when done
     server.close()
+
+
+def lent(kv: KVPayload) -> KVLoan:
+    """`kv`'s blocks as a pool's loan: a pool of twice as many blocks, holding them in its
+    second half (a fetch that reads blocks READs them from there; nothing is pinned)."""
+    n = kv.cache.extent
+    pool = CacheBuffers.empty(kv.cache.desc, 2 * n, "zeros")
+    ids = tuple(range(n, 2 * n))
+    convert(kv.cache, kv.cache.desc, num_tokens=len(kv.token_ids), dst_block_ids=ids, out=pool)
+    return KVLoan(0, kv.token_ids, kv.block_hashes, pool, ids, lambda: None)
+
+
+def _raw_nixl(server: KVServer, blob: bytes) -> dict:
+    """The container's bytes registered with the server's agent (before any peer loads its
+    metadata), and where they lie."""
+    memory = torch.frombuffer(bytearray(blob), dtype=torch.uint8)  # [num_bytes]
+    server.agent.register_memory([(memory.data_ptr(), memory.numel(), 0, "")], "DRAM")
+    _KEEP.append(memory)
+    return {"raw_nixl_addr": memory.data_ptr(), "raw_nixl_agent": server.agent.name}
+
+
+_KEEP: list[torch.Tensor] = []  # registered memory lives as long as the process
 
 
 def make_transport(name: str) -> Transport:

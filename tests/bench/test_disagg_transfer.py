@@ -25,3 +25,14 @@ def test_transfer_rows_measure_the_container_of_whole_blocks(capsys):
     )
     assert (figures["nixl_transport_gbps"] is not None) == is_nixl_available()
     assert "kvabi tcp transport (fetch)" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not is_nixl_available(), reason="nixl is not installed")
+def test_nixl_rows_have_both_baselines_and_the_pool_read(capsys):
+    figures = transfer("smollm2-135m", 40, 2)
+    for key in ("raw_nixl_read_gbps", "nixl_fetch_and_place_gbps", "nixl_pool_read_gbps"):
+        assert figures[key] > 0, key
+    assert figures["nixl_pool_read_vs_raw_nixl_ratio"] == pytest.approx(
+        figures["nixl_pool_read_gbps"] / figures["raw_nixl_read_gbps"]
+    )
+    assert "nixl pool to pool (READ into reserved blocks)" in capsys.readouterr().out
