@@ -13,6 +13,7 @@ reserved blocks may still be written and must never be reused.
 from __future__ import annotations
 
 import socket
+from concurrent.futures import Executor
 from typing import Any
 
 from kvabi.cache.kv_cache import BlockReservation, FetchRequest
@@ -21,6 +22,8 @@ from kvabi.transfer.framing import expect, recv_msg, send_msg
 from kvabi.transfer.nixl_read import nixl_read_extents
 from kvabi.transfer.pool_regions import PoolRegion, block_sums, paired_runs, read_extents
 from kvabi.wire.errors import ChecksumError, FormatError
+
+NUM_PARTS = 4  # READs per loan: the checksums of one part are taken while the next is READ
 
 
 def read_lent(
@@ -33,16 +36,24 @@ def read_lent(
     reservation: BlockReservation,
     own: list[PoolRegion],  # our pool's regions, registered with `agent`
     timeout_s: float,
+    verifier: Executor,
 ) -> int:
-    """READ the blocks `reply` lends into the reservation's first ones; how many."""
+    """READ the blocks `reply` lends into the reservation's first ones; how many. The READ
+    goes in `NUM_PARTS` transfers; each part's checksums are taken on `verifier` while the
+    next part is READ."""
     src_ids, regions = _checked(reply, request, expected, reservation, own)
     dst_ids = reservation.block_ids[: len(src_ids)]
-    if src_ids:
-        extents = read_extents(regions, own, paired_runs(src_ids, dst_ids))
+    runs, step, parts = paired_runs(src_ids, dst_ids), -(-len(own) // NUM_PARTS), []
+    for lo in range(0, len(own) if src_ids else 0, step):
+        part = slice(lo, lo + step)
+        extents = read_extents(regions[part], own[part], runs)
         nixl_read_extents(agent, peer_agent, extents, timeout_s)
+        keys = [r.key for r in own[part]]
+        parts.append(verifier.submit(block_sums, reservation.buffers, dst_ids, keys))
     send_msg(conn, {"t": "done"})  # the peer may release its blocks now
     sums = _sums(expect(recv_msg(conn), "sums").get("sums"), len(own))
-    landed = block_sums(reservation.buffers, dst_ids)
+    landed = {k: v for part in parts for k, v in part.result().items()}
+    landed = landed if parts else block_sums(reservation.buffers, dst_ids)
     bad = [r.key for r, s in zip(own, sums, strict=True) if landed[r.key] != s]
     if bad:
         raise ChecksumError(f"lent blocks: buffers {bad[:4]} do not match the peer's checksums")

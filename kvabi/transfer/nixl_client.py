@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -66,6 +67,7 @@ class NixlKVClient(KVClient):
         self._lock = threading.Lock()
         self._buffers = ReceiveBuffers()  # containers land in reused buffers (no page faults)
         self._pools = PoolRegistry(self.agent)  # the pools lent blocks land in
+        self._verifier = ThreadPoolExecutor(1, "kvabi-nixl-verify")  # checksums beside READs
         channel, self.peer_desc = self._open()  # the handshake happens now, not at a request
         self._idle.append(channel)
 
@@ -110,6 +112,7 @@ class NixlKVClient(KVClient):
                 self.arena.close()
                 self.arena = None
             self._pools.close()
+        self._verifier.shutdown()
 
     def _fetch_retrying(
         self, channel: _Channel, is_reused: bool, request: FetchRequest, into: _Into
@@ -187,7 +190,7 @@ class NixlKVClient(KVClient):
         if reply["t"] == "blocks":
             assert reservation is not None
             own = self._pools.regions(reservation.buffers)
-            args = (reply, request, expected, reservation, own, min(timeouts))
+            args = (reply, request, expected, reservation, own, min(timeouts), self._verifier)
             return Landed(read_lent(conn, self.agent, channel.peer.agent_name, *args))
         size = self._checked_size(request, reply)
         assert self.arena is not None

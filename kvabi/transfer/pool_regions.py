@@ -112,11 +112,16 @@ def read_extents(
     return extents
 
 
-def block_sums(pool: CacheBuffers, block_ids: Sequence[int]) -> dict[str, int]:
-    """Per buffer key, the checksum of blocks `block_ids` (the module's order)."""
+def block_sums(
+    pool: CacheBuffers, block_ids: Sequence[int], keys: Sequence[str] | None = None
+) -> dict[str, int]:
+    """Per buffer key (of `keys`, default all), the checksum of blocks `block_ids` (the
+    module's order)."""
     runs = [(b, b, n) for b, _, n in paired_runs(block_ids, block_ids)]
     sums = {}
     for spec in buffer_specs(pool.desc, pool.extent):
+        if keys is not None and spec.key not in keys:
+            continue
         t, d = pool.tensors[spec.key], spec.dim("B")
         h = xxhash.xxh3_64()
         for index in itertools.product(*map(range, t.shape[:d])):
