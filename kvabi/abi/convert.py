@@ -19,6 +19,7 @@ from kvabi.abi.codec import _scale, decode, encode
 from kvabi.abi.compat import check_compatible
 from kvabi.abi.descriptor import ATTN, Descriptor, Layout, Plane
 from kvabi.abi.errors import IncompatibleError
+from kvabi.abi.reblock import Run, plan_runs, reblocked_pairs
 from kvabi.abi.rope import permute_pairing
 from kvabi.abi.sidecar import copy_sidecars
 from kvabi.abi.tiled_view import (
@@ -123,12 +124,14 @@ def convert(
     src_block_ids: Sequence[int] | None = None,
     dst_block_ids: Sequence[int] | None = None,
     out: CacheBuffers | None = None,
+    layer_ids: Sequence[int] | None = None,
 ) -> CacheBuffers:
     """Convert one cache to `dst_desc`'s layout (same TP shard).
 
     With `num_tokens=None` the whole cache converts block for block (block sizes must agree).
     Otherwise the sequence's first `num_tokens` tokens move through the two block tables
-    (default: blocks 0, 1, ...), into `out` if given (e.g. an engine's block pool).
+    (default: blocks 0, 1, ...), into `out` if given (e.g. an engine's block pool). With
+    `layer_ids`, only those layers move (the rest of `out` is left as it was).
     """
     if (src.desc.layout.tp_size, src.desc.layout.tp_rank) != (
         dst_desc.layout.tp_size,
@@ -142,6 +145,7 @@ def convert(
         src_block_ids=src_block_ids,
         dst_block_ids=dst_block_ids,
         out=None if out is None else [out],
+        layer_ids=layer_ids,
     )[0]
 
 
@@ -153,11 +157,13 @@ def reshard(
     src_block_ids: Sequence[int] | None = None,
     dst_block_ids: Sequence[int] | None = None,
     out: Sequence[CacheBuffers] | None = None,
+    layer_ids: Sequence[int] | None = None,
 ) -> list[CacheBuffers]:
     """Convert the m TP shards of a cache (rank order) into the n shards of `dst_desc`'s tp_size.
 
     Returns n caches (or, when `dst_desc.layout.tp_size` equals 1 or matches m and one source
-    is given, the single shard of `dst_desc.layout.tp_rank`).
+    is given, the single shard of `dst_desc.layout.tp_rank`). With `layer_ids`, only those
+    (owner) layers move, layer by layer.
     """
     src_desc = _check_sources(srcs, dst_desc)
     dst_descs = _dst_shards(srcs, dst_desc)
@@ -186,22 +192,32 @@ def reshard(
             raise IncompatibleError(
                 f"{num_tokens} tokens asked of an unpaged {side} cache of {cache.extent}"
             )
-    if _is_same_blocks(srcs, outs, dst_desc, num_tokens):
+    layers = owner_layers(src_desc)
+    if layer_ids is not None:
+        layers = [i for i in layers if i in set(layer_ids)]
+    elif _is_same_blocks(srcs, outs, dst_desc, num_tokens):
         n = srcs[0].extent * src_desc.layout.block_size if whole else num_tokens
         s_ids = block_table_for(src_desc.layout, n, src_block_ids, srcs[0].extent)
         d_ids = block_table_for(dst_desc.layout, n, dst_block_ids, outs[0].extent)
         copy_blocks(srcs[0], outs[0], s_ids.tolist(), d_ids.tolist())
         return outs
     planned = _is_direct(src_desc, dst_desc, len(srcs)) or _is_row_codec(srcs, dst_desc)
-    if whole and planned and _run_plan(srcs[0], outs[0]):
-        for layer_id in owner_layers(src_desc):
+    if whole and planned and layer_ids is None and _run_plan(srcs[0], outs[0]):
+        for layer_id in layers:
             copy_sidecars(layer_id, srcs[0], outs, num_tokens, src_block_ids, dst_block_ids)
         return outs
     maps: dict[tuple[int, int], tuple[SlotMap, SlotMap]] = {}
-    for layer_id in owner_layers(src_desc):
+    runs = _reblock_runs(srcs, outs[0], num_tokens, src_block_ids, dst_block_ids)
+    for layer_id in layers:
         src_views = [group_views(s.desc, s.tensors, layer_id) for s in srcs]
         dst_views = [group_views(o.desc, o.tensors, layer_id) for o in outs]
-        if _is_direct(src_desc, dst_desc, len(srcs)):
+        if runs is not None:  # whole blocks of one size into another's: one pass
+            # (torch's strided copy_: the CopyPlan kernel measured slower on these views)
+            planes = zip(_plane_views(src_views[0]), _plane_views(dst_views[0]), strict=True)
+            for (_, sv), (_, dv) in planes:
+                for dst, src in reblocked_pairs(sv, dv, runs):
+                    dst.copy_(src)
+        elif _is_direct(src_desc, dst_desc, len(srcs)):
             _copy_direct(
                 src_views[0],
                 dst_views[0],
@@ -340,6 +356,27 @@ def _dst_extent(layout: Layout, num_tokens: int, block_ids: Sequence[int] | None
     if block_ids is not None:
         return max(block_ids) + 1
     return -(-num_tokens // layout.block_size)
+
+
+def _reblock_runs(
+    srcs: Sequence[CacheBuffers],
+    out: CacheBuffers,
+    num_tokens: int | None,
+    src_ids: Sequence[int] | None,
+    dst_ids: Sequence[int] | None,
+) -> list[Run] | None:
+    """The one-pass runs (reblock.py) of a conversion between unquantised paged layouts of
+    other block sizes, or None where it goes another way."""
+    s, d = srcs[0].desc.layout, out.desc.layout
+    if num_tokens is None or s.block_size == d.block_size or not s.quant == d.quant == "none":
+        return None
+    if s.is_tiled or d.is_tiled or not (s.is_paged and d.is_paged):
+        return None
+    if not _is_direct(srcs[0].desc, out.desc.with_layout(block_size=s.block_size), len(srcs)):
+        return None
+    s_table = block_table_for(s, num_tokens, src_ids, srcs[0].extent).tolist()
+    d_table = block_table_for(d, num_tokens, dst_ids, out.extent).tolist()
+    return plan_runs(s.block_size, d.block_size, num_tokens, s_table, d_table)
 
 
 def _is_direct(src: Descriptor, dst: Descriptor, num_srcs: int) -> bool:

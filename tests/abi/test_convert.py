@@ -186,3 +186,23 @@ def test_convert_keeps_the_tp_shard_and_reshard_changes_it():
     hnd = preset_descriptor("vllm-flashinfer-hnd", model, block_size=16, tp_rank=1, tp_size=2)
     moved = convert(shards[1], hnd)
     assert torch.equal(read_planes(moved, 0, 32)["k"], read_planes(full, 0, 32)["k"][:, 2:])
+
+
+@pytest.mark.parametrize(
+    ("src_name", "dst_name"), [("vllm-flash-attn-hnd", "vllm-flash-attn"), ("sglang-mha", "trtllm")]
+)
+def test_layer_by_layer_conversion_equals_the_whole_and_leaves_other_layers(src_name, dst_name):
+    model = ModelSpec(tuple(LayerSpec(ATTN, 2, 8, 8) for _ in range(4)), "t")
+    src = _filled(preset_descriptor(src_name, model, block_size=4), 6, seed=1)
+    dst_desc = preset_descriptor(dst_name, model, block_size=8)
+    ids = dict(num_tokens=16, src_block_ids=[5, 1, 2, 0], dst_block_ids=[3, 0])
+    whole = convert(src, dst_desc, **ids, out=_filled(dst_desc, 4, seed=2))
+    parts = _filled(dst_desc, 4, seed=2)
+    untouched = _filled(dst_desc, 4, seed=2)
+    convert(src, dst_desc, **ids, out=parts, layer_ids=[0, 3])
+    for layer in (1, 2):  # not converted yet: as they were
+        assert torch.equal(
+            read_planes(parts, layer, 32)["k"], read_planes(untouched, layer, 32)["k"]
+        )
+    convert(src, dst_desc, **ids, out=parts, layer_ids=[1, 2])
+    assert all(torch.equal(parts.tensors[k], whole.tensors[k]) for k in whole.tensors)
