@@ -1,10 +1,15 @@
 """The decode side of a loan (nixl_server.py): check the `blocks` reply, READ the lent blocks
-straight into the reserved ones of our pool, answer `done`, then verify every buffer's
-checksum (the peer's `sums` message, sent while we READ) over the blocks they landed in.
+where they land (`Landing`), answer `done`, then verify every buffer's checksum (the peer's
+`sums` message, sent while we READ) over the blocks they landed in.
+
+Lent blocks land straight in the blocks reserved in our pool when it has the peer's
+descriptor. Otherwise they land in registered staging buffers of the peer's descriptor, and
+each part, once READ, is converted layer by layer into the reserved blocks while the next part
+is READ (conversion while receiving).
 
 The reply is refused before any READ unless it is exactly what was asked: the asked start, the
-prompt's own block hashes (so the asked tokens), buffers of our descriptor's geometry, block ids
-inside the peer's buffers, no more blocks than were reserved (`fetch_into` asks for no more).
+prompt's own block hashes (so the asked tokens), buffers of the landing's geometry, block ids
+inside the peer's buffers, no more blocks than there is room for (`fetch_into` asks no more).
 A checksum mismatch after the READ raises `ChecksumError`: the caller must not index those
 blocks. A READ that timed out and could not be cancelled raises `NixlReadAbandoned`: the
 reserved blocks may still be written and must never be reused.
@@ -13,9 +18,13 @@ reserved blocks may still be written and must never be reused.
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Any
 
+from kvabi.abi.buffers import CacheBuffers, buffer_specs
+from kvabi.abi.convert import convert
 from kvabi.cache.kv_cache import BlockReservation, FetchRequest
 from kvabi.transfer.errors import TransferError
 from kvabi.transfer.framing import expect, recv_msg, send_msg
@@ -23,7 +32,47 @@ from kvabi.transfer.nixl_read import nixl_read_extents
 from kvabi.transfer.pool_regions import PoolRegion, block_sums, paired_runs, read_extents
 from kvabi.wire.errors import ChecksumError, FormatError
 
-NUM_PARTS = 4  # READs per loan: the checksums of one part are taken while the next is READ
+NUM_PARTS = 4  # READs per loan: one part is checksummed and placed while the next is READ
+
+
+@dataclass(frozen=True)
+class Landing:
+    """Where lent blocks land: blocks `block_ids` of `buffers` (registered: `regions`), in
+    the peer's descriptor. `place(layer_ids, num_blocks)`, if given, then moves those layers
+    of the first `num_blocks` landed blocks on into the pool (a conversion); without it they
+    landed in the pool itself."""
+
+    buffers: CacheBuffers
+    regions: list[PoolRegion]
+    block_ids: tuple[int, ...]
+    place: Callable[[list[int], int], None] | None = None
+
+    def take(self, keys: list[str], num_blocks: int) -> dict[str, int]:
+        """A landed part's checksums, then its placement (on the worker: off the READs)."""
+        sums = block_sums(self.buffers, self.block_ids[:num_blocks], keys)
+        if self.place is not None:
+            specs = buffer_specs(self.buffers.desc, self.buffers.extent)
+            layers = sorted({i for s in specs if s.key in keys for i in s.layer_ids})
+            self.place(layers, num_blocks)
+        return sums
+
+
+def converting_landing(
+    staging: CacheBuffers, regions: list[PoolRegion], reservation: BlockReservation
+) -> Landing:
+    """Land in `staging` (the peer's layout, blocks 0, 1, ...), then convert each part's
+    layers into the reservation's blocks."""
+    own = reservation.buffers
+
+    def place(layer_ids: list[int], num_blocks: int) -> None:
+        num_tokens = num_blocks * staging.desc.layout.block_size
+        dst_ids = reservation.block_ids[: num_tokens // own.desc.layout.block_size]
+        convert(
+            staging, own.desc, num_tokens=num_tokens, src_block_ids=list(range(num_blocks)),
+            dst_block_ids=dst_ids, out=own, layer_ids=layer_ids,
+        )  # fmt: skip
+
+    return Landing(staging, regions, tuple(range(staging.extent)), place)
 
 
 def read_lent(
@@ -32,40 +81,35 @@ def read_lent(
     peer_agent: str,
     reply: dict,
     request: FetchRequest,
-    expected: list[bytes],  # our hashes of the prompt's blocks from the start
-    reservation: BlockReservation,
-    own: list[PoolRegion],  # our pool's regions, registered with `agent`
+    expected: list[bytes],  # our hashes of the prompt's blocks of the peer's size from start
+    landing: Landing,
     timeout_s: float,
-    verifier: Executor,
+    worker: Executor,
 ) -> int:
-    """READ the blocks `reply` lends into the reservation's first ones; how many. The READ
-    goes in `NUM_PARTS` transfers; each part's checksums are taken on `verifier` while the
-    next part is READ."""
-    src_ids, regions = _checked(reply, request, expected, reservation, own)
-    dst_ids = reservation.block_ids[: len(src_ids)]
-    runs, step, parts = paired_runs(src_ids, dst_ids), -(-len(own) // NUM_PARTS), []
-    for lo in range(0, len(own) if src_ids else 0, step):
+    """READ the blocks `reply` lends into `landing`; how many. The READ goes in `NUM_PARTS`
+    transfers; each part is checksummed and placed on `worker` while the next is READ."""
+    src_ids, regions = _checked(reply, request, expected, landing)
+    own, n = landing.regions, len(src_ids)
+    runs = paired_runs(src_ids, landing.block_ids[:n])
+    step, parts = -(-len(own) // NUM_PARTS), []
+    for lo in range(0, len(own) if n else 0, step):
         part = slice(lo, lo + step)
-        extents = read_extents(regions[part], own[part], runs)
-        nixl_read_extents(agent, peer_agent, extents, timeout_s)
-        keys = [r.key for r in own[part]]
-        parts.append(verifier.submit(block_sums, reservation.buffers, dst_ids, keys))
+        nixl_read_extents(
+            agent, peer_agent, read_extents(regions[part], own[part], runs), timeout_s
+        )
+        parts.append(worker.submit(landing.take, [r.key for r in own[part]], n))
     send_msg(conn, {"t": "done"})  # the peer may release its blocks now
     sums = _sums(expect(recv_msg(conn), "sums").get("sums"), len(own))
     landed = {k: v for part in parts for k, v in part.result().items()}
-    landed = landed if parts else block_sums(reservation.buffers, dst_ids)
+    landed = landed if parts else block_sums(landing.buffers, [])
     bad = [r.key for r, s in zip(own, sums, strict=True) if landed[r.key] != s]
     if bad:
         raise ChecksumError(f"lent blocks: buffers {bad[:4]} do not match the peer's checksums")
-    return len(src_ids)
+    return n
 
 
 def _checked(
-    reply: dict,
-    request: FetchRequest,
-    expected: list[bytes],
-    reservation: BlockReservation,
-    own: list[PoolRegion],
+    reply: dict, request: FetchRequest, expected: list[bytes], landing: Landing
 ) -> tuple[list[int], list[PoolRegion]]:
     ids, hashes = reply.get("block_ids"), reply.get("block_hashes")
     if reply.get("start_token") != request.start_token:
@@ -74,12 +118,12 @@ def _checked(
         )
     if not isinstance(ids, list) or not all(isinstance(b, int) and b >= 0 for b in ids):
         raise TransferError("blocks: block_ids must be a list of block numbers")
-    if len(ids) > len(reservation.block_ids):
-        raise TransferError(f"blocks: {len(ids)} lent, {len(reservation.block_ids)} reserved")
-    block_size = reservation.buffers.desc.layout.block_size
+    if len(ids) > len(landing.block_ids):
+        raise TransferError(f"blocks: {len(ids)} lent, room for {len(landing.block_ids)}")
+    block_size = landing.buffers.desc.layout.block_size
     if reply.get("num_tokens") != len(ids) * block_size or hashes != expected[: len(ids)]:
         raise FormatError("the lent blocks are not the prompt's (tokens or block hashes)")
-    return ids, _regions(reply.get("regions"), own, ids)
+    return ids, _regions(reply.get("regions"), landing.regions, ids)
 
 
 def _regions(msg: object, own: list[PoolRegion], ids: list[int]) -> list[PoolRegion]:

@@ -12,6 +12,7 @@ any error is closed.
 
 from __future__ import annotations
 
+import math
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -25,8 +26,8 @@ from kvabi.transfer.errors import MessageTooLargeError, TransferError
 from kvabi.transfer.fetch_checks import ClosedByPeer, ask_kv, check_identity
 from kvabi.transfer.framing import expect, open_control, recv_msg, send_msg
 from kvabi.transfer.handshake import client_handshake
-from kvabi.transfer.lent_blocks import read_lent
-from kvabi.transfer.nixl_memory import Arena, ArenaInfo, PoolRegistry, make_agent
+from kvabi.transfer.lent_blocks import Landing, converting_landing, read_lent
+from kvabi.transfer.nixl_memory import Arena, ArenaInfo, PoolRegistry, StagingBuffers, make_agent
 from kvabi.transfer.nixl_read import NixlReadAbandoned
 from kvabi.transfer.nixl_windows import WindowReader
 from kvabi.transfer.receive_buffers import ReceiveBuffers
@@ -67,9 +68,10 @@ class NixlKVClient(KVClient):
         self._lock = threading.Lock()
         self._buffers = ReceiveBuffers()  # containers land in reused buffers (no page faults)
         self._pools = PoolRegistry(self.agent)  # the pools lent blocks land in
-        self._verifier = ThreadPoolExecutor(1, "kvabi-nixl-verify")  # checksums beside READs
+        self._worker = ThreadPoolExecutor(1, "kvabi-nixl-land")  # checksums beside READs
         channel, self.peer_desc = self._open()  # the handshake happens now, not at a request
         self._idle.append(channel)
+        self._staging = StagingBuffers(self._pools, self.peer_desc)  # for other layouts
 
     def fetch(self, request: FetchRequest) -> KVPayload:
         landed = self._fetch(replace(request, reads_blocks=False), None)
@@ -77,16 +79,22 @@ class NixlKVClient(KVClient):
         return landed.payload
 
     def can_read_blocks(self, desc: Descriptor) -> bool:
-        return desc == self.peer_desc
+        """Into a pool of the peer's descriptor straight; of another paged layout of the same
+        shard, through staging buffers and a conversion per part."""
+        own, peer = desc.layout, self.peer_desc.layout
+        same_shard = (own.tp_size, own.tp_rank) == (peer.tp_size, peer.tp_rank)
+        return desc == self.peer_desc or (own.is_paged and peer.is_paged and same_shard)
 
     def fetch_into(self, request: FetchRequest, reservation: BlockReservation) -> Landed:
         if not self.can_read_blocks(reservation.buffers.desc):
-            raise TransferError("the peer's pool has another descriptor: fetch and convert")
+            raise TransferError("the peer's blocks cannot be read into this pool: fetch them")
         if request.start_token != reservation.start_token:
             raise ValueError("fetch_into: the request and the reservation start elsewhere")
-        end = (
-            reservation.start_token + len(reservation.block_ids) * self.peer_desc.layout.block_size
-        )
+        own_bs = reservation.buffers.desc.layout.block_size
+        step = math.lcm(own_bs, self.peer_desc.layout.block_size)  # whole blocks of both sizes
+        end = request.start_token + len(reservation.block_ids) * own_bs // step * step
+        if end <= request.start_token:
+            return Landed(0)
         asked = request.token_ids[:end]  # the peer prefills and lends no more than fits
         return self._fetch(replace(request, token_ids=asked, reads_blocks=True), reservation)
 
@@ -112,7 +120,7 @@ class NixlKVClient(KVClient):
                 self.arena.close()
                 self.arena = None
             self._pools.close()
-        self._verifier.shutdown()
+        self._worker.shutdown()
 
     def _fetch_retrying(
         self, channel: _Channel, is_reused: bool, request: FetchRequest, into: _Into
@@ -189,14 +197,46 @@ class NixlKVClient(KVClient):
         timeouts = (self.config.io_timeout_s, self.config.transfer_timeout_s)
         if reply["t"] == "blocks":
             assert reservation is not None
-            own = self._pools.regions(reservation.buffers)
-            args = (reply, request, expected, reservation, own, min(timeouts), self._verifier)
-            return Landed(read_lent(conn, self.agent, channel.peer.agent_name, *args))
+            return self._read_lent(channel, reply, request, expected, reservation)
         size = self._checked_size(request, reply)
         assert self.arena is not None
         data = np.frombuffer(self._buffers.take(size), dtype=np.uint8)  # [size], not yet written
         WindowReader(conn, self.arena, slot, channel.peer, timeouts).read_all(data)
         return Landed(0, self._payload(memoryview(data), request, expected))
+
+    def _read_lent(
+        self,
+        channel: _Channel,
+        reply: dict,
+        request: FetchRequest,
+        expected: list[bytes],
+        reservation: BlockReservation,
+    ) -> Landed:
+        """The lent blocks READ into the reservation, straight or through staging buffers."""
+        peer_bs = self.peer_desc.layout.block_size
+        num_peer_blocks = (len(request.token_ids) - request.start_token) // peer_bs
+        staging = None
+        if reservation.buffers.desc == self.peer_desc:
+            landing = Landing(
+                reservation.buffers,
+                self._pools.regions(reservation.buffers),
+                reservation.block_ids,
+            )  # fmt: skip
+        else:
+            staging = self._staging.take(num_peer_blocks)
+            landing = converting_landing(staging, self._pools.regions(staging), reservation)
+        timeout_s = min(self.config.io_timeout_s, self.config.transfer_timeout_s)
+        args = (reply, request, expected, landing, timeout_s, self._worker)
+        try:
+            num_blocks = read_lent(channel.conn, self.agent, channel.peer.agent_name, *args)
+        except NixlReadAbandoned:
+            staging = None  # a READ may still land in it: never lend it again
+            raise
+        finally:
+            if staging is not None:
+                self._staging.give_back(staging)
+        own_bs = reservation.buffers.desc.layout.block_size
+        return Landed(num_blocks * peer_bs // own_bs)
 
     def _checked_size(self, request: FetchRequest, reply: dict) -> int:
         start, size = reply.get("start_token"), reply.get("num_bytes")

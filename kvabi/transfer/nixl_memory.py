@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from kvabi.abi.buffers import CacheBuffers
+from kvabi.abi.descriptor import Descriptor
 from kvabi.transfer.errors import TransferError, TransferTimeoutError
 from kvabi.transfer.pool_regions import PoolRegion, pool_regions
 
@@ -213,3 +214,31 @@ class PoolRegistry:
 
 def _addresses(pool: CacheBuffers) -> tuple[int, ...]:
     return tuple(t.data_ptr() for t in pool.tensors.values())
+
+
+class StagingBuffers:
+    """Registered caches of one descriptor that lent blocks of another layout land in before
+    their conversion: taken per fetch (fetches run at once) and given back, each registered
+    once and kept until `registry` closes (registered memory must outlive its registration).
+    Sizes are powers of two blocks, so a growing prompt adds few of them."""
+
+    def __init__(self, registry: PoolRegistry, desc: Descriptor) -> None:
+        self.registry, self.desc = registry, desc
+        self._free: list[CacheBuffers] = []
+        self._lock = threading.Lock()
+
+    def take(self, num_blocks: int) -> CacheBuffers:
+        """Buffers of at least `num_blocks` blocks, registered."""
+        with self._lock:
+            fits = [b for b in self._free if b.extent >= num_blocks]
+            if fits:
+                self._free.remove(fits[0])
+                return fits[0]
+        extent = 1 << max(num_blocks - 1, 0).bit_length()
+        buffers = CacheBuffers.empty(self.desc, extent, "zeros")  # touched: no faults in a READ
+        self.registry.regions(buffers)
+        return buffers
+
+    def give_back(self, buffers: CacheBuffers) -> None:
+        with self._lock:
+            self._free.append(buffers)

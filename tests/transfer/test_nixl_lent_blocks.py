@@ -4,6 +4,7 @@ Real engines (the tiny model), in-process peers over loopback. Skipped without n
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -11,7 +12,8 @@ import torch
 
 from kvabi.cache.kv_cache import ImportResult
 from kvabi.transfer import lent_blocks
-from kvabi.transfer.errors import RemoteError, TransferError
+from kvabi.transfer.errors import RemoteError
+from kvabi.transfer.kv_staging import stage_payload
 from kvabi.transfer.nixl_memory import is_nixl_available
 from kvabi.transfer.transport import FetchRequest
 from kvabi.wire.errors import ChecksumError
@@ -45,7 +47,9 @@ def test_lent_blocks_land_in_the_reserved_ones_and_decode_like_the_prefill(prefi
     decode = engine("nhd", 4)  # the peer's descriptor: blocks are READ as they lie
     client = nixl().connect(server.address, decode.info.descriptor)
     assert client.can_read_blocks(decode.info.descriptor)
-    assert not client.can_read_blocks(engine("hnd", 8).info.descriptor)
+    assert client.can_read_blocks(engine("hnd", 8).info.descriptor)  # through staging
+    other_shard = decode.info.descriptor.with_layout(tp_size=2, tp_rank=1)
+    assert not client.can_read_blocks(other_shard)
     taken = decode.cache.pool.allocate(3)  # so the reserved blocks are not the lent ones' ids
     reservation = decode.cache.reserve(PROMPT, None, 0, 5)
     assert reservation.block_ids == (3, 4, 5, 6, 7) and reservation.pooled == ()
@@ -100,15 +104,30 @@ def test_a_byte_damaged_on_the_way_fails_its_checksum_and_is_not_indexed(prefill
     client.close()
 
 
-def test_a_peer_with_another_layout_is_not_read_but_fetched(prefill):
-    _, server = prefill
-    decode = engine("hnd", 4)
+@pytest.mark.parametrize(("layout", "block_size"), [("hnd", 8), ("hnd", 4), ("nhd", 2)])
+def test_another_layout_is_read_into_staging_and_converted_part_by_part(
+    prefill, layout, block_size
+):
+    e, server = prefill  # NHD blocks of 4; PROMPT has 20 whole tokens
+    decode = engine(layout, block_size)
     client = nixl().connect(server.address, decode.info.descriptor)
-    reservation = decode.cache.reserve(PROMPT, None, 0, 5)
-    with pytest.raises(TransferError, match="another descriptor"):
-        client.fetch_into(FetchRequest(PROMPT), reservation)
-    decode.cache.cancel(reservation)
-    assert client.fetch(FetchRequest(PROMPT)).end_token == 20  # the container path still works
+    assert client.can_read_blocks(decode.info.descriptor)
+    num_tokens = 20 // math.lcm(4, block_size) * math.lcm(4, block_size)  # whole in both sizes
+    reservation = decode.cache.reserve(PROMPT, None, 0, 20 // block_size)
+    landed = client.fetch_into(FetchRequest(PROMPT), reservation)
+    assert (landed.num_blocks, landed.payload) == (num_tokens // block_size, None)
+    result = decode.cache.commit(reservation, landed.num_blocks)
+    assert result == ImportResult(num_tokens, num_tokens // block_size)
+    assert released(e)
+    # the same blocks as the container path's conversion gives
+    sent = tcp_payload(FetchRequest(PROMPT), decode.info.descriptor)
+    staged = stage_payload(sent, decode.info.descriptor)
+    mine = decode.cache.export(PROMPT, None, 0)
+    assert mine.cache.extent == staged.cache.extent == num_tokens // block_size
+    for key, t in mine.cache.tensors.items():
+        assert torch.equal(t, staged.cache.tensors[key]), key
+    want = greedy(engine("nhd", 4), list(PROMPT))
+    assert greedy(decode, list(PROMPT)) == want == list(greedy_reference(PROMPT, len(want)))
     client.close()
 
 
