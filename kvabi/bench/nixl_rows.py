@@ -3,9 +3,11 @@ socket copy of the container (as for TCP) and a raw NIXL READ of the container's
 descriptor between the same two processes (what NIXL itself moves here).
 
 Rows: the container through the arena's windows (`fetch`), the same converted for placement
-into NHD blocks of 32 (`place`), and the blocks READ straight from the peer's pool into blocks
+into NHD blocks of 32 (`place`), the blocks READ straight from the peer's pool into blocks
 reserved in a pool of the same descriptor (`pool_read`: reserve, READ, verify the checksums,
-free them again, as a decode instance does before it indexes them).
+free them again, as a decode instance does before it indexes them), and the same into a pool
+of NHD blocks of 32 (`pool_read_convert`: READ into staging buffers, each part converted into
+the reserved blocks while the next is READ).
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ def nixl_figures(
         "nixl_pool_read_gbps": nbytes / t["pool_read"] / 1e9,
         "nixl_pool_read_vs_raw_socket_ratio": t["raw"] / t["pool_read"],
         "nixl_pool_read_vs_raw_nixl_ratio": t["raw_nixl"] / t["pool_read"],
+        "nixl_pool_read_convert_gbps": nbytes / t["pool_read_convert"] / 1e9,
+        "nixl_pool_read_convert_vs_raw_socket_ratio": t["raw"] / t["pool_read_convert"],
+        "nixl_pool_read_convert_vs_raw_nixl_ratio": t["raw_nixl"] / t["pool_read_convert"],
     }
     return figures
 
@@ -70,6 +75,12 @@ def nixl_table_rows(f: dict) -> list[list]:
             f["nixl_pool_read_vs_raw_socket_ratio"],
             f["nixl_pool_read_vs_raw_nixl_ratio"],
         ],
+        [
+            "nixl pool to pool + convert HND/16 -> NHD/32",
+            f["nixl_pool_read_convert_gbps"],
+            f["nixl_pool_read_convert_vs_raw_socket_ratio"],
+            f["nixl_pool_read_convert_vs_raw_nixl_ratio"],
+        ],
     ]
 
 
@@ -84,9 +95,10 @@ def _times(model_name: str, num_tokens: int, dst_desc: Descriptor, repeats: int)
                 raw,
                 _raw_read(client, info),
                 lambda: client.fetch(request),
-                _pool_read(same, info),
+                _pool_read(same, info, same.peer_desc),
+                _pool_read(client, info, dst_desc),
             ]
-            names = ["raw", "raw_nixl", "fetch", "pool_read"]
+            names = ["raw", "raw_nixl", "fetch", "pool_read", "pool_read_convert"]
             times = dict(zip(names, interleaved_best(fns, repeats), strict=True))
             return times | place_times(client, request, dst_desc, raw, repeats)
         finally:
@@ -107,9 +119,9 @@ def _raw_read(client: KVClient, info: dict) -> Callable[[], None]:
     return lambda: nixl_read(agent, peer, local.data_ptr(), remote, nbytes, 10.0)
 
 
-def _pool_read(client: KVClient, info: dict) -> Callable[[], None]:
-    """A fetch that READs the peer's lent blocks into a pool of the peer's descriptor."""
-    desc = client.peer_desc
+def _pool_read(client: KVClient, info: dict, desc: Descriptor) -> Callable[[], None]:
+    """A fetch that READs the peer's lent blocks into a pool of `desc` (not the peer's:
+    through staging buffers, converted part by part)."""
     num_blocks = info["num_tokens"] // desc.layout.block_size
     cache = KVCache(desc, 2 * num_blocks)
     ids = token_ids(info["num_tokens"])
