@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,14 +92,16 @@ def read_lent(
     own, n = landing.regions, len(src_ids)
     runs = paired_runs(src_ids, landing.block_ids[:n])
     step, parts = -(-len(own) // NUM_PARTS), []
-    for lo in range(0, len(own) if n else 0, step):
-        part = slice(lo, lo + step)
-        nixl_read_extents(
-            agent, peer_agent, read_extents(regions[part], own[part], runs), timeout_s
-        )
-        parts.append(worker.submit(landing.take, [r.key for r in own[part]], n))
-    send_msg(conn, {"t": "done"})  # the peer may release its blocks now
-    sums = _sums(expect(recv_msg(conn), "sums").get("sums"), len(own))
+    try:
+        for lo in range(0, len(own) if n else 0, step):
+            part = slice(lo, lo + step)
+            extents = read_extents(regions[part], own[part], runs)
+            nixl_read_extents(agent, peer_agent, extents, timeout_s)
+            parts.append(worker.submit(landing.take, [r.key for r in own[part]], n))
+        send_msg(conn, {"t": "done"})  # the peer may release its blocks now
+        sums = _sums(expect(recv_msg(conn), "sums").get("sums"), len(own))
+    finally:
+        wait(parts)  # nothing may still write the landing once the caller frees it
     landed = {k: v for part in parts for k, v in part.result().items()}
     landed = landed if parts else block_sums(landing.buffers, [])
     bad = [r.key for r, s in zip(own, sums, strict=True) if landed[r.key] != s]
