@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -62,6 +63,14 @@ class Instance:
     def free_blocks(self) -> tuple[float, float]:
         """(free, total) blocks of its pool, from /metrics."""
         return free_blocks(self.url)
+
+    def settled_free_blocks(self, timeout_s: float = 5.0) -> tuple[float, float]:
+        """`free_blocks` once every block is free, or as it is after `timeout_s` (a prefill
+        releases a loan of its blocks a moment after the decode side READ them)."""
+        deadline = time.monotonic() + timeout_s
+        while (now := self.free_blocks())[0] != now[1] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return now
 
 
 _TAKEN: set[int] = set()

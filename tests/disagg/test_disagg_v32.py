@@ -159,7 +159,9 @@ def test_a_v3_peer_is_refused_at_the_handshake(fleet) -> None:
 
 
 @pytest.mark.skipif(not is_nixl_available(), reason="nixl is not installed")
-def test_nixl_streams_the_indexer_layer_by_layer(tmp_path_factory) -> None:
+def test_nixl_reads_latents_and_indexer_out_of_the_prefill_pool(tmp_path_factory) -> None:
+    """fp32 latents and indexer keys READ out of the prefill's pool into staging buffers,
+    converted part by part into the decode pool's fp8 records."""
     folder = v32_folder(tmp_path_factory)
     nixl = ("--kv-transport", "nixl")
     prefill = Instance(tiny_args(folder), "prefill", "nhd", BLOCK, *nixl)
@@ -170,11 +172,13 @@ def test_nixl_streams_the_indexer_layer_by_layer(tmp_path_factory) -> None:
     try:
         got = routed(prefill, decode)
         text, num_prompt = completion(got)
-        assert got.headers["x-kvabi-kv"] == f"prefill;tokens={num_prompt // BLOCK * BLOCK}"
+        tokens = num_prompt // BLOCK * BLOCK
+        assert got.headers["x-kvabi-kv"] == f"prefill;tokens={tokens};via=pool-read"
         source, fp8 = engines(folder)
         greedy(source, PROMPT, NUM_NEW)
         fp8.cache.import_blocks(PROMPT, None, source.cache.export(PROMPT, None))
         assert text == text_of(greedy(fp8, PROMPT, NUM_NEW))
-        assert decode.free_blocks() == (128, 128) and prefill.free_blocks() == (128, 128)
+        assert decode.free_blocks() == (128, 128)
+        assert prefill.settled_free_blocks() == (128, 128)
     finally:
         prefill.process.stop(), decode.process.stop()
