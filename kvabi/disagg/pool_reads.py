@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 from kvabi.cache.kv_cache import BlockReservation, ImportResult
 from kvabi.engine.async_engine import AsyncEngine
@@ -23,15 +24,24 @@ from kvabi.transfer.transport import FetchRequest, KVClient, KVPayload
 log = logging.getLogger("kvabi.server")
 
 
+@dataclass(frozen=True)
+class PoolRead:
+    """What `read_into_pool` did: `result` of placing the blocks (None: they would not extend
+    the pooled prefix, and nothing was asked of the peer), and whether they were READ straight
+    into the pool (`is_direct`; False: the peer could not lend them and sent a copy)."""
+
+    result: ImportResult | None
+    is_direct: bool = False
+
+
 async def read_into_pool(
     engine: AsyncEngine, client: KVClient, request: FetchRequest, num_blocks: int
-) -> ImportResult | None:
-    """Fetch `num_blocks` blocks from `request.start_token` into the pool; None when they
-    would not extend the pooled prefix (nothing was asked of the peer)."""
+) -> PoolRead:
+    """Fetch `num_blocks` blocks from `request.start_token` into the pool."""
     ids, salt, start = request.token_ids, request.cache_salt, request.start_token
     reservation = await engine.call(lambda e: e.cache.reserve(ids, salt, start, num_blocks))
     if reservation is None:
-        return None
+        return PoolRead(None)
     read = asyncio.ensure_future(asyncio.to_thread(client.fetch_into, request, reservation))
     try:
         landed = await asyncio.shield(read)
@@ -46,8 +56,9 @@ async def read_into_pool(
         raise
     if landed.payload is not None:  # the peer could not lend: place a copy as any fetch's
         await engine.call(lambda e: e.cache.cancel(reservation))
-        return await import_payload(engine, ids, salt, landed.payload)
-    return await engine.call(lambda e: e.cache.commit(reservation, landed.num_blocks))
+        return PoolRead(await import_payload(engine, ids, salt, landed.payload))
+    result = await engine.call(lambda e: e.cache.commit(reservation, landed.num_blocks))
+    return PoolRead(result, is_direct=True)
 
 
 async def import_payload(

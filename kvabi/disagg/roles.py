@@ -248,8 +248,8 @@ class DecodeRole:
         request, desc = FetchRequest(asked, start, salt), self.engine.engine.info.descriptor
         via = ""
         if cache.lends_blocks and client.can_read_blocks(desc):  # pool to pool, no copy
-            result = await read_into_pool(self.engine, client, request, sent // own_bs)
-            via = ";via=pool-read" if result is not None and result.num_placed_blocks else ""
+            read = await read_into_pool(self.engine, client, request, sent // own_bs)
+            result, via = read.result, ";via=pool-read" if read.is_direct else ""
         else:
             payload = await asyncio.to_thread(client.fetch, request)
             result = await import_payload(self.engine, ids, salt, payload)

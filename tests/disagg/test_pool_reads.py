@@ -63,9 +63,11 @@ def run(client: StandIn, cancel: bool = False):
                 await asyncio.sleep(0.3)  # the READ ends; its blocks are freed after it
                 return free_while_reading
             try:
-                return await task
+                read = await task
             except ChecksumError:
                 return "checksum"
+            assert read.is_direct
+            return read.result
         finally:
             await asyncio.to_thread(async_engine.stop)
 
