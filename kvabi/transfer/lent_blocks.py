@@ -33,6 +33,7 @@ from kvabi.transfer.pool_regions import PoolRegion, block_sums, paired_runs, rea
 from kvabi.wire.errors import ChecksumError, FormatError
 
 NUM_PARTS = 4  # READs per loan: one part is checksummed and placed while the next is READ
+PART_BYTES = 4 * 2**20  # ... each of at least this many bytes (a small loan is one READ)
 
 
 @dataclass(frozen=True)
@@ -86,12 +87,15 @@ def read_lent(
     timeout_s: float,
     worker: Executor,
 ) -> int:
-    """READ the blocks `reply` lends into `landing`; how many. The READ goes in `NUM_PARTS`
-    transfers; each part is checksummed and placed on `worker` while the next is READ."""
+    """READ the blocks `reply` lends into `landing`; how many. The READ goes in up to
+    `NUM_PARTS` transfers; each part is checksummed and placed on `worker` while the next is
+    READ."""
     src_ids, regions = _checked(reply, request, expected, landing)
     own, n = landing.regions, len(src_ids)
     runs = paired_runs(src_ids, landing.block_ids[:n])
-    step, parts = -(-len(own) // NUM_PARTS), []
+    num_bytes = n * sum(r.block_bytes * len(r.offsets) for r in own)
+    num_parts = max(1, min(NUM_PARTS, num_bytes // PART_BYTES))
+    step, parts = -(-len(own) // num_parts), []
     try:
         for lo in range(0, len(own) if n else 0, step):
             part = slice(lo, lo + step)

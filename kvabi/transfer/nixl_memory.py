@@ -189,14 +189,14 @@ class PoolRegistry:
 
     def regions(self, pool: CacheBuffers) -> list[PoolRegion]:
         """`pool`'s regions (pool_regions.py), registering its buffers on first sight."""
-        regions, key = pool_regions(pool), _addresses(pool)
+        key = _addresses(pool)
         with self._lock:
-            if key not in self._pools:
-                spans = [
-                    (t.data_ptr(), t.numel() * t.element_size(), 0, "")
-                    for t in pool.tensors.values()
-                ]
-                self._pools[key] = (regions, self.agent.register_memory(spans, "DRAM"))
+            if key in self._pools:
+                return self._pools[key][0]
+            regions = pool_regions(pool)
+            tensors = pool.tensors.values()
+            spans = [(t.data_ptr(), t.numel() * t.element_size(), 0, "") for t in tensors]
+            self._pools[key] = (regions, self.agent.register_memory(spans, "DRAM"))
         return regions
 
     def has(self, pool: CacheBuffers) -> bool:

@@ -16,8 +16,9 @@ the sender takes it over its blocks and the receiver over the blocks they landed
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import xxhash
@@ -55,10 +56,13 @@ class PoolRegion:
             raise TransferError("malformed pool region")
         return cls(msg[0], *ints, tuple(shape), tuple(strides))
 
-    def offsets(self) -> Iterator[int]:
+    @cached_property
+    def offsets(self) -> tuple[int, ...]:
         """Each outer index's byte offset from `base`, row-major."""
-        for index in itertools.product(*map(range, self.outer_shape)):
-            yield sum(i * s for i, s in zip(index, self.outer_strides, strict=True))
+        indices = itertools.product(*map(range, self.outer_shape))
+        return tuple(
+            sum(i * s for i, s in zip(x, self.outer_strides, strict=True)) for x in indices
+        )
 
     def matches(self, other: PoolRegion) -> bool:
         """Whether blocks of `other` and of this region hold the same bytes the same way."""
@@ -103,7 +107,7 @@ def read_extents(
     """`(dst_addr, src_addr, num_bytes)` for every outer index of every buffer and run."""
     extents = []
     for s, d in zip(src, dst, strict=True):
-        for s_off, d_off in zip(s.offsets(), d.offsets(), strict=True):
+        for s_off, d_off in zip(s.offsets, d.offsets, strict=True):
             for s_block, d_block, n in runs:
                 src_addr = s.base + s_off + s_block * s.block_stride
                 extents.append(

@@ -49,7 +49,7 @@ def test_a_regions_block_lies_where_the_tensor_keeps_it(preset):
         d = len(region.outer_shape)
         first_outer = t[(0,) * d]
         last_outer = t[tuple(n - 1 for n in region.outer_shape)]
-        offsets = list(region.offsets())
+        offsets = list(region.offsets)
         assert len(offsets) == max(1, int(torch.tensor(region.outer_shape).prod()))
         assert region.base + offsets[0] + 2 * region.block_stride == first_outer[2].data_ptr()
         assert region.base + offsets[-1] + 5 * region.block_stride == last_outer[5].data_ptr()
