@@ -18,6 +18,7 @@ itself: the request is served either way, and its `X-Kvabi-KV` header says which
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 from collections import Counter
@@ -120,6 +121,9 @@ class PrefillRole:
         future = asyncio.run_coroutine_threadsafe(self._prefill(request), self._loop)
         try:
             return future.result(self.settings.transfer_timeout_s)
+        except BaseException:
+            future.add_done_callback(_release_late)  # a loan made past the timeout goes back
+            raise
         finally:
             future.cancel()  # past the timeout: abort the prefill (no-op once done)
 
@@ -135,7 +139,12 @@ class PrefillRole:
             self.engine.abort(handle)  # no-op once finished
         ids, salt, start = request.token_ids, request.cache_salt, request.start_token
         if request.reads_blocks and self.engine.engine.cache.lends_blocks:
-            loan = await self.engine.call(lambda engine: engine.cache.lend(ids, salt, start))
+            lent = self.engine.call(lambda engine: engine.cache.lend(ids, salt, start))
+            try:
+                loan = await asyncio.shield(lent)
+            except asyncio.CancelledError:  # the fetch gave up: the loan, once made, goes back
+                lent.add_done_callback(lambda f: f.exception() or self._release(f.result()))
+                raise
             return replace(loan, release=lambda: self._release(loan))
         return await self.engine.call(lambda engine: engine.cache.export(ids, salt, start))
 
@@ -182,6 +191,14 @@ class PrefillRole:
             if handle is not None:
                 self._feeds.remove(handle.request_id)
                 self.engine.abort(handle)  # no-op once finished
+
+
+def _release_late(future: concurrent.futures.Future) -> None:
+    """Release a loan nobody will send (its fetch gave up before it was made)."""
+    if not future.cancelled() and future.exception() is None:
+        answer = future.result()
+        if isinstance(answer, KVLoan):
+            answer.release()
 
 
 class DecodeRole:

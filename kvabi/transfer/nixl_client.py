@@ -126,14 +126,14 @@ class NixlKVClient(KVClient):
         self, channel: _Channel, is_reused: bool, request: FetchRequest, into: _Into
     ) -> Landed:
         try:
-            payload = self._fetch_on(channel, request, into)
+            landed = self._fetch_on(channel, request, into)
         except ClosedByPeer:
             channel.conn.close()
             if not is_reused:
                 raise
             channel = self._take_new()  # an idle connection the peer dropped: once more, fresh
             try:
-                payload = self._fetch_on(channel, request, into)
+                landed = self._fetch_on(channel, request, into)
             except BaseException:
                 channel.conn.close()
                 raise
@@ -142,7 +142,7 @@ class NixlKVClient(KVClient):
             raise
         with self._lock:
             self._idle.append(channel)
-        return payload
+        return landed
 
     def _open(self) -> tuple[_Channel, Descriptor]:
         conn = open_control(split_address(self.address), self.config.io_timeout_s)

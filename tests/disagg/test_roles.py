@@ -129,3 +129,34 @@ def test_nothing_to_send_runs_no_prefill_and_a_bad_prompt_gets_an_error():
     assert prefill.cache.pool.num_cached == 0  # no prefill ran
     with pytest.raises(RemoteError, match="token ids must be in"):
         asyncio.run(serve_and_fetch(prefill, decode, FetchRequest((3, 4, 999, 5, 6))))
+
+
+def test_a_loan_made_after_its_fetch_gave_up_goes_back_to_the_pool():
+    prefill = engine()
+
+    async def main() -> tuple[int, int]:
+        async_engine = AsyncEngine(prefill, max_in_flight=4)
+        async_engine.start()
+        settings = DisaggSettings(
+            "prefill", SECRET, kv_address="127.0.0.1:0", transfer_timeout_s=0.001
+        )
+        role = PrefillRole(settings, async_engine)
+        role.start()
+        try:
+            lend = FetchRequest(PROMPT, 0, None, reads_blocks=True)
+            with pytest.raises(TimeoutError):  # the prefill takes longer than 1 ms
+                await asyncio.to_thread(role._provide, lend)
+            for _ in range(100):  # the prefill ends, lends, and the loan is released
+                await asyncio.sleep(0.02)
+                cached, free = await async_engine.call(
+                    lambda e: (e.cache.pool.num_cached, e.cache.pool.num_free)
+                )
+                if cached and free == 64:
+                    break
+            return cached, free
+        finally:
+            role.stop()
+            await asyncio.to_thread(async_engine.stop)
+
+    cached, free = asyncio.run(main())
+    assert cached >= 5 and free == 64  # the prompt's blocks were cached, none stays pinned
