@@ -14,7 +14,9 @@ socket copy of the same bytes, then TTFT/ITL colocated vs disaggregated, in the 
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -28,6 +30,7 @@ from kvabi.abi.presets import preset_descriptor
 from kvabi.abi.table import print_table
 from kvabi.bench.report import write_json
 from kvabi.bench.transfer_peer import make_transport, token_ids
+from kvabi.native.cpu_kernels import cpu_name
 from kvabi.transfer.kv_staging import stage_payload
 from kvabi.transfer.nixl_memory import is_nixl_available
 from kvabi.transfer.transport import FetchRequest, KVClient
@@ -64,8 +67,24 @@ def transfer(model_name: str, num_tokens: int, repeats: int) -> dict:
         from kvabi.bench.nixl_rows import nixl_figures
 
         figures |= nixl_figures(model_name, num_tokens, dst_desc, repeats, nbytes)
+    figures["ran_on"] = _ran_on()
     _print(model_name, figures)
     return figures
+
+
+def _ran_on() -> dict:
+    """The machine and the transfer stack the rows ran on (figures from different machines
+    are never to be compared)."""
+    try:
+        nixl = importlib.metadata.version("nixl")
+    except importlib.metadata.PackageNotFoundError:
+        nixl = "not installed"
+    return {
+        "cpu": cpu_name(),
+        "cpus": len(os.sched_getaffinity(0)),
+        "nixl": nixl,
+        "ucx transports": os.environ.get("UCX_TLS", "UCX's own choice"),
+    }
 
 
 def _fetch_times(
@@ -149,6 +168,7 @@ def _print(model_name: str, f: dict) -> None:
             *nixl_rows,
         ],
     )
+    print_table("ran on", ["what", "value"], list(f["ran_on"].items()))
 
 
 def interleaved_best(fns: list[Callable[[], object]], repeats: int) -> list[float]:

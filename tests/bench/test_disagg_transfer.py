@@ -24,7 +24,9 @@ def test_transfer_rows_measure_the_container_of_whole_blocks(capsys):
         figures["tcp_transport_gbps"] / figures["raw_socket_gbps"]
     )
     assert (figures["nixl_transport_gbps"] is not None) == is_nixl_available()
-    assert "kvabi tcp transport (fetch)" in capsys.readouterr().out
+    assert figures["ran_on"]["cpu"] and figures["ran_on"]["cpus"] >= 1
+    out = capsys.readouterr().out
+    assert "kvabi tcp transport (fetch)" in out and "ran on" in out
 
 
 @pytest.mark.skipif(not is_nixl_available(), reason="nixl is not installed")
