@@ -23,6 +23,7 @@ no path that allocates can give a tier the wrong KV under an old hash. The sched
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -57,6 +58,18 @@ from kvabi.cache.kv_storage import KVStorage
 from kvabi.cache.tier_config import TierConfig
 from kvabi.cache.tier_loader import PendingLoad, TierLoader
 from kvabi.cache.tiered_cache import TieredCache
+
+
+@dataclass(frozen=True)
+class _Extension:
+    """Blocks `first .. last - 1` of a prompt that would extend the pool's run of it (`held`
+    blocks, pool blocks `pooled`; none when `last <= held`); `hashes`: the prompt's."""
+
+    hashes: list[bytes]
+    held: int
+    pooled: list[int]
+    first: int
+    last: int
 
 
 class KVCache:
@@ -273,23 +286,33 @@ class KVCache:
             raise ValueError("importing blocks needs the prefix cache (enable_prefix_caching)")
         if not self.plan.is_uniform:
             return import_groups(self, token_ids, cache_salt, payload)
+        bs = self.block_size
+        x = self._extension(token_ids, cache_salt, payload.start_token, payload.end_token // bs)
+        if x.last <= x.held:
+            return ImportResult(x.held * bs, 0)
+        keys = self.hasher.keys_of(x.hashes, token_ids, x.first, x.last)
+        return ImportResult(x.last * bs, self.place(x.pooled, keys, payload.cache))
+
+    def _extension(
+        self, token_ids: Sequence[int], cache_salt: str | None, start_token: int, stop: int
+    ) -> _Extension:
+        """The prompt's blocks from `start_token` (a block boundary) up to block `stop` that
+        would extend the pool's run of it and fit in its free blocks."""
         bs, hashes = self.block_size, self.hasher.hashes(token_ids, cache_salt)
-        held = self.num_pooled(hashes)
-        first, last = payload.start_token // bs, min(payload.end_token // bs, len(hashes))
+        held, first = self.num_pooled(hashes), start_token // bs
         pooled = self.pooled_ids(hashes[:held])
-        last = min(last, first + self.pool.num_free - self.pool.num_free_of(pooled))
-        if payload.start_token % bs or held < first or last <= held:
-            return ImportResult(held * bs, 0)
-        keys = self.hasher.keys_of(hashes, token_ids, first, last)
-        return ImportResult(last * bs, self.place(pooled, keys, payload.cache))
+        room = self.pool.num_free - self.pool.num_free_of(pooled)
+        last = min(stop, len(hashes), first + room)
+        if start_token % bs or held < first:  # a gap before `start_token`: nothing extends it
+            last = held
+        return _Extension(hashes, held, pooled, first, last)
 
     # ---- blocks read straight from pool to pool (a uniform cache whose storage is local) ----
 
     @property
     def lends_blocks(self) -> bool:
         """Whether `lend` and `reserve` work here (one block group, whole blocks local)."""
-        local = all(s.entry_desc is s.desc for s in self.storages)
-        return self.plan.is_uniform and local and self.is_prefix_caching
+        return self.plan.is_uniform and self._is_local and self.is_prefix_caching
 
     @property
     def lent_buffers(self) -> CacheBuffers | None:
@@ -315,20 +338,15 @@ class KVCache:
         """Free blocks for the prompt's `num_blocks` blocks from `start_token` (as many as fit
         and exist), or None when they would not extend the pooled prefix."""
         self._require_lending("a reservation")
-        bs, hashes = self.block_size, self.hasher.hashes(token_ids, cache_salt)
-        held, first = self.num_pooled(hashes), start_token // bs
-        pooled = self.pooled_ids(hashes[:held])
-        room = self.pool.num_free - self.pool.num_free_of(pooled)
-        last = min(first + num_blocks, len(hashes), first + room)
-        if start_token % bs or held < first or last <= held:
+        stop = start_token // self.block_size + num_blocks
+        x = self._extension(token_ids, cache_salt, start_token, stop)
+        if x.last <= x.held:
             return None
-        self.pool.touch(pooled)
-        keys = tuple(self.hasher.keys_of(hashes, token_ids, first, last))
-        block_ids = tuple(sorted(self.pool.allocate(last - first)))  # ascending: longer runs
-        pool = self.storage.buffers
-        return BlockReservation(
-            start_token, block_ids, keys, tuple(pooled), tuple(hashes[:last]), pool
-        )
+        self.pool.touch(x.pooled)
+        keys = tuple(self.hasher.keys_of(x.hashes, token_ids, x.first, x.last))
+        block_ids = tuple(sorted(self.pool.allocate(x.last - x.first)))  # ascending: long runs
+        pooled, hashes = tuple(x.pooled), tuple(x.hashes[: x.last])
+        return BlockReservation(start_token, block_ids, keys, pooled, hashes, self.storage.buffers)
 
     def commit(self, reservation: BlockReservation, num_blocks: int) -> ImportResult:
         """Index the reservation's first `num_blocks` blocks (written and verified) and free
@@ -384,9 +402,14 @@ class KVCache:
         """Whether it holds compressed entries (DeepSeek V4: centries layers)."""
         return any(x.kind == CENTRIES for x in self.desc.model.layers)
 
+    @property
+    def _is_local(self) -> bool:
+        """Whether the tensors hold whole blocks (not one TP rank's heads of them)."""
+        return all(s.entry_desc is s.desc for s in self.storages)
+
     def _check_local(self, what: str) -> None:
         """Refuse a path that reads the tensors directly where they hold part of each block."""
-        if any(s.entry_desc is not s.desc for s in self.storages):
+        if not self._is_local:
             raise ValueError(f"{what} reads one rank's heads; under TP it is not supported")
 
     def _tier_key(self, key: BlockKey, group_id: int) -> BlockKey:
