@@ -16,6 +16,7 @@ the sender takes it over its blocks and the receiver over the blocks they landed
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -49,10 +50,10 @@ class PoolRegion:
     def from_msg(cls, msg: object) -> PoolRegion:
         if not isinstance(msg, list) or len(msg) != 7 or not isinstance(msg[0], str):
             raise TransferError("malformed pool region")
-        ints = msg[1:5]
-        shape, strides = msg[5], msg[6]
-        is_ints = all(isinstance(x, int) for x in [*ints, *(shape or []), *(strides or [])])
-        if not is_ints or not isinstance(shape, list) or not isinstance(strides, list):
+        ints, shape, strides = msg[1:5], msg[5], msg[6]
+        if not isinstance(shape, list) or not isinstance(strides, list):
+            raise TransferError("malformed pool region")
+        if not all(isinstance(x, int) for x in [*ints, *shape, *strides]):
             raise TransferError("malformed pool region")
         return cls(msg[0], *ints, tuple(shape), tuple(strides))
 
@@ -77,12 +78,12 @@ def pool_regions(pool: CacheBuffers) -> list[PoolRegion]:
     for spec in buffer_specs(pool.desc, pool.extent):
         t = pool.tensors[spec.key]
         d, size = spec.dim("B"), t.element_size()
-        inner = t.shape[d + 1 :]
-        if not t[(0,) * d].is_contiguous() or t.stride(d) != _numel(inner):
+        inner = math.prod(t.shape[d + 1 :])
+        if not t[(0,) * d].is_contiguous() or t.stride(d) != inner:
             raise ValueError(f"buffer {spec.key!r}: its blocks are not contiguous extents")
         regions.append(
             PoolRegion(
-                spec.key, t.data_ptr(), t.shape[d], t.stride(d) * size, _numel(inner) * size,
+                spec.key, t.data_ptr(), t.shape[d], t.stride(d) * size, inner * size,
                 tuple(t.shape[:d]), tuple(s * size for s in t.stride()[:d]),
             )
         )  # fmt: skip
@@ -121,7 +122,7 @@ def block_sums(
 ) -> dict[str, int]:
     """Per buffer key (of `keys`, default all), the checksum of blocks `block_ids` (the
     module's order)."""
-    runs = [(b, b, n) for b, _, n in paired_runs(block_ids, block_ids)]
+    runs = [(b, n) for b, _, n in paired_runs(block_ids, block_ids)]  # consecutive blocks
     sums = {}
     for spec in buffer_specs(pool.desc, pool.extent):
         if keys is not None and spec.key not in keys:
@@ -130,7 +131,7 @@ def block_sums(
         h = xxhash.xxh3_64()
         for index in itertools.product(*map(range, t.shape[:d])):
             blocks = t[index]  # [num_blocks, ...], contiguous blocks
-            for b, _, n in runs:
+            for b, n in runs:
                 h.update(_bytes(blocks[b : b + n]))
         sums[spec.key] = h.intdigest()
     return sums
@@ -139,10 +140,3 @@ def block_sums(
 def _bytes(t: torch.Tensor) -> object:
     """A contiguous tensor's bytes, without a copy (a uint8 array over its memory)."""
     return t.reshape(-1).view(torch.uint8).numpy()
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

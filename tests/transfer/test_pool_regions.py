@@ -3,12 +3,15 @@ checksums both ends take; checked against the tensors' own element addresses."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from kvabi.abi.buffers import CacheBuffers
 from kvabi.abi.catalog import catalog_model
 from kvabi.abi.presets import preset_descriptor
+from kvabi.transfer.errors import TransferError
 from kvabi.transfer.pool_regions import (
     PoolRegion,
     block_sums,
@@ -50,7 +53,7 @@ def test_a_regions_block_lies_where_the_tensor_keeps_it(preset):
         first_outer = t[(0,) * d]
         last_outer = t[tuple(n - 1 for n in region.outer_shape)]
         offsets = list(region.offsets)
-        assert len(offsets) == max(1, int(torch.tensor(region.outer_shape).prod()))
+        assert len(offsets) == math.prod(region.outer_shape)
         assert region.base + offsets[0] + 2 * region.block_stride == first_outer[2].data_ptr()
         assert region.base + offsets[-1] + 5 * region.block_stride == last_outer[5].data_ptr()
         assert region.block_bytes == first_outer[0].numel() * t.element_size()
@@ -94,3 +97,18 @@ def _bytes_at(cache: CacheBuffers, addr: int, n: int) -> torch.Tensor:
         if offset >= 0 and offset + n <= flat.numel():
             return flat[offset : offset + n]
     raise AssertionError(f"address {addr:#x} is in none of the buffers")
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        ["0", 1, 2, 3, 4, 5, []],  # outer shape not a list
+        ["0", 1, 2, 3, 4, [2], [1.5]],  # a stride not an int
+        ["0", 1, 2, 3, [4], [], []],
+        [0, 1, 2, 3, 4, [], []],  # key not a string
+        ["0", 1, 2, 3, 4, []],
+    ],
+)
+def test_a_malformed_region_is_a_typed_error(msg):
+    with pytest.raises(TransferError, match="malformed pool region"):
+        PoolRegion.from_msg(msg)
