@@ -73,10 +73,10 @@ def ask_kv(
     peer: Descriptor,
 ) -> tuple[dict, list[bytes]]:
     """Send the `fetch` message and wait for its `kv` reply (or, to a fetch that reads blocks,
-    `blocks`): up to the transfer timeout in
-    all while the peer prefills, but no longer than the I/O timeout between its `wait`
-    heartbeats (a frozen peer fails in `io_timeout_s`). Meanwhile the block hashes the answer
-    must carry are computed (`check_identity` takes them)."""
+    `blocks`): up to the transfer timeout in all while the peer prefills, but no longer than
+    the I/O timeout between its `wait` heartbeats (a frozen peer fails in `io_timeout_s`).
+    Meanwhile the block hashes the answer must carry are computed (`check_identity` takes
+    them)."""
     deadline = time.monotonic() + config.transfer_timeout_s
     try:
         send_msg(conn, fetch_msg(request, config.heartbeat_s))

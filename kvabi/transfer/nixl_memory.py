@@ -199,11 +199,6 @@ class PoolRegistry:
             self._pools[key] = (regions, self.agent.register_memory(spans, "DRAM"))
         return regions
 
-    def has(self, pool: CacheBuffers) -> bool:
-        """Whether `pool` is registered (with these very buffers)."""
-        with self._lock:
-            return _addresses(pool) in self._pools
-
     def close(self) -> None:
         """Deregister every pool (no transfer may be in flight)."""
         with self._lock:

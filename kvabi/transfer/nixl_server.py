@@ -9,14 +9,14 @@ staged into registered slots borrowed from the arena and published window by win
 go back once every window was acknowledged (or on any error). A provider failure is answered
 with an `error` message; the connection stays usable.
 
-A fetch that `reads_blocks` (the asker's pool has our descriptor) may get a loan of the pool's
-blocks instead: the pool's buffers are registered with the agent once, and a `blocks` message
-names the blocks and where each buffer lies; a `sums` message follows with each buffer's
-checksum over those blocks (pool_regions.py), taken while the asker READs them straight into
-its own pool. It answers `done`; only then is the loan released, so the blocks cannot change
-under the READ. The pool is readable by
-authenticated peers only (they learn its addresses after the handshake), as vLLM's
-NixlConnector exposes its KV cache to its peers.
+A fetch that `reads_blocks` may get a loan of the pool's blocks instead (the pool given to
+`listen`, its buffers registered with the agent once): a `blocks` message names the blocks and
+where each buffer lies; a `sums` message follows with each buffer's checksum over those blocks
+(pool_regions.py), taken while the asker READs them (into its own pool, or into staging
+buffers when its layout differs: lent_blocks.py). It answers `done`; only then is the loan
+released, so the blocks cannot change under the READ. The pool is readable by authenticated
+peers only (they learn its addresses after the handshake), as vLLM's NixlConnector exposes its
+KV cache to its peers.
 """
 
 from __future__ import annotations
@@ -63,9 +63,8 @@ class NixlKVServer(KVServer):
         self.agent = make_agent("prefill")
         self.arena = Arena(self.agent, *arena_shape)
         self._pools = PoolRegistry(self.agent)
-        if pool is not None:
-            self._pools.regions(pool)  # before any peer loads our metadata
-        self._lends = pool is not None
+        self._lent = pool  # registered now, before any peer loads our metadata
+        self._lent_regions = self._pools.regions(pool) if pool is not None else []
         self._listener = KVListener(address, config, desc, self._serve, "kvabi-nixl-accept")
         self._listener.start()
 
@@ -85,7 +84,7 @@ class NixlKVServer(KVServer):
         expect(recv_msg(conn, 4096), "nixl_hello")
         md = self.agent.get_agent_metadata()
         send_msg(conn, {"t": "nixl_md", "md": md, **self.arena.info().to_msg()})
-        send, lend = self._send, (self._lend if self._lends else None)
+        send, lend = self._send, (self._lend if self._lent is not None else None)
         serve_fetches(conn, self.config, self.desc, self.provider, send, self._is_closed, lend)
 
     def _is_closed(self) -> bool:
@@ -121,9 +120,9 @@ class NixlKVServer(KVServer):
         """The `blocks` message, then wait (up to the transfer timeout) for the asker's
         `done`; the loan is released whatever happens."""
         try:
-            if not self._pools.has(loan.buffers):
+            if loan.buffers is not self._lent:
                 raise TransferError("a loan of a pool not given to listen(): peers cannot READ it")
-            regions = self._pools.regions(loan.buffers)
+            regions = self._lent_regions
             msg = {
                 "t": "blocks",
                 "start_token": loan.start_token,

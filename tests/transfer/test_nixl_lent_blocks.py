@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
+from kvabi.abi.buffers import CacheBuffers
 from kvabi.cache.kv_cache import ImportResult
 from kvabi.transfer import lent_blocks
-from kvabi.transfer.errors import RemoteError
+from kvabi.transfer.errors import TransferError
 from kvabi.transfer.kv_staging import stage_payload
 from kvabi.transfer.nixl_memory import is_nixl_available
 from kvabi.transfer.transport import FetchRequest
@@ -160,6 +162,22 @@ def test_a_loan_to_a_transport_that_cannot_read_blocks_goes_as_a_copy():
     client = TcpTransport(config()).connect(server.address, e.info.descriptor)
     payload = client.fetch(FetchRequest(PROMPT))
     assert payload.end_token == 20 and e.cache.pool.num_free == 64  # copied, then released
-    with pytest.raises((RemoteError, NotImplementedError)):
+    with pytest.raises(NotImplementedError, match="cannot read a peer's pool blocks"):
         client.fetch_into(FetchRequest(PROMPT), None)
+    client.close(), server.close()
+
+
+def test_a_loan_of_a_pool_listen_was_not_given_is_refused_not_read():
+    e = engine("nhd", 4)
+    provide = prefill_provider(e)
+    other = CacheBuffers.empty(e.info.descriptor, 8)  # not registered: peers cannot READ it
+    lend_other = lambda r: replace(provide(r), buffers=other)  # noqa: E731
+    server = nixl().listen("127.0.0.1:0", e.info.descriptor, lend_other, e.cache.storage.buffers)
+    decode = engine("nhd", 4)
+    client = nixl().connect(server.address, decode.info.descriptor)
+    reservation = decode.cache.reserve(PROMPT, None, 0, 5)
+    with pytest.raises(TransferError):
+        client.fetch_into(FetchRequest(PROMPT), reservation)
+    decode.cache.cancel(reservation)
+    assert released(e)  # the loan went back all the same
     client.close(), server.close()
