@@ -194,7 +194,8 @@ def reshard(
             )
     layers = owner_layers(src_desc)
     if layer_ids is not None:
-        layers = [i for i in layers if i in set(layer_ids)]
+        wanted = set(layer_ids)
+        layers = [i for i in layers if i in wanted]
     elif _is_same_blocks(srcs, outs, dst_desc, num_tokens):
         n = srcs[0].extent * src_desc.layout.block_size if whole else num_tokens
         s_ids = block_table_for(src_desc.layout, n, src_block_ids, srcs[0].extent)
@@ -370,9 +371,7 @@ def _reblock_runs(
     s, d = srcs[0].desc.layout, out.desc.layout
     if num_tokens is None or s.block_size == d.block_size or not s.quant == d.quant == "none":
         return None
-    if s.is_tiled or d.is_tiled or not (s.is_paged and d.is_paged):
-        return None
-    if not _is_direct(srcs[0].desc, out.desc.with_layout(block_size=s.block_size), len(srcs)):
+    if not (s.is_paged and _is_strided(srcs[0].desc, out.desc, len(srcs))):
         return None
     s_table = block_table_for(s, num_tokens, src_ids, srcs[0].extent).tolist()
     d_table = block_table_for(d, num_tokens, dst_ids, out.extent).tolist()
@@ -381,6 +380,12 @@ def _reblock_runs(
 
 def _is_direct(src: Descriptor, dst: Descriptor, num_srcs: int) -> bool:
     """Same values stored the same way, same shard, same blocks: a strided copy suffices."""
+    return _is_strided(src, dst, num_srcs) and src.layout.block_size == dst.layout.block_size
+
+
+def _is_strided(src: Descriptor, dst: Descriptor, num_srcs: int) -> bool:
+    """Same values stored the same way and same shard, in blocks of any size: each layer's
+    planes are strided `[B, N, H, C]` views of the same contents."""
     s, d = src.layout, dst.layout
     same_codec = (s.quant == d.quant == "none") or (
         (s.quant, s.dtype, s.scales, s.planes == "concat")
@@ -392,7 +397,6 @@ def _is_direct(src: Descriptor, dst: Descriptor, num_srcs: int) -> bool:
         and same_codec
         and src.model.rope_pairing == dst.model.rope_pairing
         and s.is_paged == d.is_paged
-        and s.block_size == d.block_size
         and not (s.is_tiled or d.is_tiled)  # tiled views have no strided [B, N, H, C] form
     )
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from kvabi.abi import convert as convert_module
-from kvabi.abi.buffers import CacheBuffers
 from kvabi.abi.convert import convert
 from kvabi.abi.descriptor import ATTN, LayerSpec, ModelSpec
 from kvabi.abi.presets import preset_descriptor
 from kvabi.abi.reblock import plan_runs
+from tests.abi.test_convert import _filled
 
 
 def test_runs_merge_units_that_follow_on_both_sides():
@@ -26,17 +26,6 @@ def test_runs_merge_units_that_follow_on_both_sides():
     assert plan_runs(4, 8, 12, [0, 1, 2], [0, 1]) is None  # a partial unit
     assert plan_runs(4, 6, 12, [0, 1, 2], [0, 1]) is None  # sizes not multiples
     assert plan_runs(4, 4, 8, [0, 1], [0, 1]) is None  # same size: the direct path's
-
-
-def _filled(desc, extent, seed):
-    g = torch.Generator().manual_seed(seed)
-    return CacheBuffers(
-        desc,
-        {
-            k: (torch.randint(-127, 128, t.shape, generator=g) / 8).to(t.dtype)
-            for k, t in CacheBuffers.empty(desc, extent).tensors.items()
-        },
-    )
 
 
 @pytest.mark.parametrize(
