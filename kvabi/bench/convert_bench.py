@@ -4,8 +4,6 @@ copy speed is flagged `disturbed` and given no ratio)."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from kvabi.abi.buffers import CacheBuffers, allocate
@@ -13,8 +11,7 @@ from kvabi.abi.catalog import catalog_model
 from kvabi.abi.convert import convert
 from kvabi.abi.presets import preset_descriptor
 from kvabi.abi.table import print_table
-from kvabi.bench.report import is_disturbed, paired, plain_copy_gbps, write_json
-from kvabi.native.cpu_kernels import cpu_name
+from kvabi.bench.report import is_disturbed, machine, paired, plain_copy_gbps, write_json
 
 # (source preset, destination preset, destination overrides); all share one block size
 PAIRS = [
@@ -81,8 +78,7 @@ def run(quick: bool, json_path: str | None, model_name: str = "smollm2-135m") ->
     figures["min_permute_ratio"] = min(permute) if permute else None
     figures["min_codec_ratio"] = min(lossy) if lossy else None
     figures["num_disturbed"] = sum(v["disturbed"] for v in pairs)
-    figures["ran_on"] = {"cpu": cpu_name(), "cpus": len(os.sched_getaffinity(0)),
-                         "torch_threads": torch.get_num_threads()}  # fmt: skip
+    figures["ran_on"] = machine()
     print_table("ran on", ["what", "value"], list(figures["ran_on"].items()))
     write_json(json_path, figures)
     return figures

@@ -14,18 +14,15 @@ so grows by design.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from kvabi.abi.table import print_table
-from kvabi.bench.report import write_json
+from kvabi.bench.report import machine, write_json
 from kvabi.engine.llm import LLM
 from kvabi.engine.sampling_params import SamplingParams
-from kvabi.native.cpu_kernels import cpu_kernels, cpu_name, kernel_status
+from kvabi.native.cpu_kernels import cpu_kernels, kernel_status
 
 PROMPT = "Once upon a time, in a small town by the sea,"
 BATCHES = (1, 16)
@@ -76,10 +73,7 @@ def _figures(steps: list[Step], window: int) -> dict[str, float]:
 def _ran_on(llm: LLM) -> dict[str, Any]:
     """Which CPU and kernel path the figures come from."""
     kernels = cpu_kernels()
-    return {
-        "cpu": cpu_name(),
-        "cpus": len(os.sched_getaffinity(0)),
-        "torch_threads": torch.get_num_threads(),
+    return machine() | {
         "kernels": kernel_status(),
         "amx": bool(kernels is not None and kernels.amx),
         "gemm": (kernels.gemm if kernels is not None else None) or "oneDNN (torch)",

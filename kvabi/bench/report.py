@@ -10,12 +10,15 @@ over such a baseline says nothing about kvabi."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from kvabi.native.cpu_kernels import cpu_name
 
 DISTURBED_FACTOR = 3.0  # a baseline this much slower than the plain copy is not trusted
 
@@ -79,3 +82,13 @@ def plain_copy_gbps(num_bytes: int = 64 * 2**20, repeats: int = 7) -> float:
 def is_disturbed(baseline_gbps: float, reference_gbps: float) -> bool:
     """Whether a baseline copy ran more than `DISTURBED_FACTOR` slower than the machine's."""
     return baseline_gbps * DISTURBED_FACTOR < reference_gbps
+
+
+def machine() -> dict[str, object]:
+    """The CPU a bench ran on, the cores it may use and torch's threads: every bench's
+    `ran_on` starts with these, so figures from different machines are never confused."""
+    return {
+        "cpu": cpu_name(),
+        "cpus": len(os.sched_getaffinity(0)),
+        "torch_threads": torch.get_num_threads(),
+    }
