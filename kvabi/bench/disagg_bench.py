@@ -28,12 +28,11 @@ from kvabi.abi.catalog import catalog_model
 from kvabi.abi.descriptor import Descriptor
 from kvabi.abi.presets import preset_descriptor
 from kvabi.abi.table import print_table
-from kvabi.bench.report import write_json
+from kvabi.bench.report import machine, write_json
 from kvabi.bench.transfer_peer import make_transport, token_ids
-from kvabi.native.cpu_kernels import cpu_name
 from kvabi.transfer.kv_staging import stage_payload
 from kvabi.transfer.nixl_memory import is_nixl_available
-from kvabi.transfer.transport import FetchRequest, KVClient
+from kvabi.transfer.transport import FetchRequest
 
 
 def run(quick: bool, json_path: str | None, model_name: str = "smollm2-135m") -> dict:
@@ -79,9 +78,7 @@ def _ran_on() -> dict:
         nixl = importlib.metadata.version("nixl")
     except importlib.metadata.PackageNotFoundError:
         nixl = "not installed"
-    return {
-        "cpu": cpu_name(),
-        "cpus": len(os.sched_getaffinity(0)),
+    return machine() | {
         "nixl": nixl,
         "ucx transports": os.environ.get("UCX_TLS", "UCX's own choice"),
     }
@@ -106,20 +103,13 @@ def _fetch_times(
             raw_s, fetch_s = interleaved_best([raw, lambda: client.fetch(request)], repeats)
             times = {"raw": raw_s, "fetch": fetch_s}
             if place:
-                times |= place_times(client, request, dst_desc, raw, repeats)
+                fn = lambda: stage_payload(client.fetch(request), dst_desc)  # noqa: E731
+                times["raw_place"], times["place"] = interleaved_best(
+                    [raw, fn], max(3, repeats // 4)
+                )
         finally:
             client.close()
     return info, times
-
-
-def place_times(
-    client: KVClient, request: FetchRequest, dst_desc: Descriptor, raw: Callable, repeats: int
-) -> dict[str, float]:
-    """Best seconds of a fetch converted for placement (`place`) and of the raw copy
-    interleaved with it (`raw_place`)."""
-    fn = lambda: stage_payload(client.fetch(request), dst_desc)  # noqa: E731
-    raw_s, place_s = interleaved_best([raw, fn], max(3, repeats // 4))
-    return {"raw_place": raw_s, "place": place_s}
 
 
 @contextmanager
