@@ -32,7 +32,7 @@ from kvabi.cache.kv_storage import KVStorage
 from kvabi.cache.tier import KVTier
 from kvabi.cache.tier_config import TierConfig
 from kvabi.cache.tier_writer import TierWriter
-from kvabi.wire.entries import entry_shape, read_rows
+from kvabi.wire.entries import EntryShape, entry_shape, rows_cache, verify_rows
 
 log = logging.getLogger("kvabi.cache")
 Plan = list[tuple[KVTier, BlockKey]]
@@ -198,11 +198,9 @@ class TieredCache:
         hashes, i = [k.block_hash for k in run], 0
         shape = entry_shape(self.desc)
         if shape is not None:  # read into one array, verified there: the blocks are views of it
-            rows = np.empty((len(run), shape.size), dtype=np.uint8)
-            k = tier.read_rows(hashes, rows)
-            i, cache = read_rows(shape, rows[:k], [key.token_ids for key in run], hashes)
+            i, rows = self._read_verified(tier, run, shape)
             if i:
-                place(cache, None, run[:i])
+                place(rows_cache(shape, rows[:i]), None, run[:i])
             if i == len(run):
                 return i
         entries = [None] * i + tier.get_many(hashes[i:])
@@ -217,6 +215,16 @@ class TieredCache:
             place(cache, None, run[i : i + n])
             i += n
         return i
+
+    def _read_verified(
+        self, tier: KVTier, run: list[BlockKey], shape: EntryShape
+    ) -> tuple[int, np.ndarray]:
+        """Read `run`'s entries into the rows of one array and verify them all at once; how
+        many leading ones are verified, and the array."""
+        rows = np.empty((len(run), shape.size), dtype=np.uint8)
+        hashes = [k.block_hash for k in run]
+        k = tier.read_rows(hashes, rows)
+        return verify_rows(shape, rows[:k], [key.token_ids for key in run], hashes), rows
 
     def _decode(self, tier: KVTier, key: BlockKey, entry: bytes | None) -> CacheBuffers | None:
         if entry is None:

@@ -29,6 +29,9 @@
 #include <utility>
 #include <vector>
 #if defined(__linux__)
+#include <cerrno>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -1360,5 +1363,270 @@ int kvabi_prefill_attention(const void* q, int64_t q_stride, const void* k, int6
   (void)scale, (void)num_threads;
   return -2;
 #endif
+}
+
+#if defined(__linux__)
+// The disk tier's bulk read (kvabi/cache/disk_tier.py), called without the GIL: file i of
+// `count` (NUL-terminated paths) read into dst + i * size, at most `size` bytes, and stamped
+// with `now_ns` (access and modification time: the tier's LRU order lives in them). got[i]:
+// the bytes read, or -errno where the file could not be opened or read. Files are shared out
+// over `num_threads` threads; every file is attempted (the caller takes the leading ones).
+int kvabi_read_files(const char* const* paths, int64_t count, uint8_t* dst, int64_t size,
+                     int64_t now_ns, int64_t* got, int num_threads) {
+  if (count < 0 || size < 1) return -1;
+  const struct timespec now[2] = {{now_ns / 1000000000, now_ns % 1000000000},
+                                  {now_ns / 1000000000, now_ns % 1000000000}};
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (count > 1)
+  for (int64_t i = 0; i < count; ++i) {
+    const int fd = open(paths[i], O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      got[i] = -errno;
+      continue;
+    }
+    uint8_t* out = dst + i * size;
+    int64_t n = 0;
+    while (n < size) {
+      const ssize_t r = read(fd, out + n, static_cast<size_t>(size - n));
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) {
+        n = r < 0 ? -errno : n;
+        break;
+      }
+      n += r;
+    }
+    if (n >= 0) futimens(fd, now);
+    close(fd);
+    got[i] = n;
+  }
+  return 0;
+}
+#endif
+}
+
+namespace {
+// XXH3-64 with seed 0 (the ABI's checksum, docs/ABI.md), written from xxHash's published
+// specification (doc/xxhash_spec.md): small (0-16 bytes), medium (17-240) and large inputs.
+// tests/native/test_xxh3.py compares it with the `xxhash` package at every length up to a few
+// blocks and on entries. Used to checksum tier entries without the GIL, many at once.
+constexpr uint64_t kP32_1 = 0x9E3779B1ULL, kP32_2 = 0x85EBCA77ULL, kP32_3 = 0xC2B2AE3DULL;
+constexpr uint64_t kP64_1 = 0x9E3779B185EBCA87ULL, kP64_2 = 0xC2B2AE3D27D4EB4FULL;
+constexpr uint64_t kP64_3 = 0x165667B19E3779F9ULL, kP64_4 = 0x85EBCA77C2B2AE63ULL;
+constexpr uint64_t kP64_5 = 0x27D4EB2F165667C5ULL, kMx1 = 0x165667919E3779F9ULL;
+constexpr uint64_t kMx2 = 0x9FB21C651E98DF25ULL;
+constexpr int64_t kSecretLen = 192, kStripe = 64, kStripesPerBlock = (kSecretLen - 64) / 8;
+constexpr int64_t kBlock = kStripe * kStripesPerBlock;  // 1024
+alignas(64) constexpr uint8_t kSecret[kSecretLen] = {
+    0xb8, 0xfe, 0x6c, 0x39, 0x23, 0xa4, 0x4b, 0xbe, 0x7c, 0x01, 0x81, 0x2c, 0xf7, 0x21, 0xad, 0x1c,
+    0xde, 0xd4, 0x6d, 0xe9, 0x83, 0x90, 0x97, 0xdb, 0x72, 0x40, 0xa4, 0xa4, 0xb7, 0xb3, 0x67, 0x1f,
+    0xcb, 0x79, 0xe6, 0x4e, 0xcc, 0xc0, 0xe5, 0x78, 0x82, 0x5a, 0xd0, 0x7d, 0xcc, 0xff, 0x72, 0x21,
+    0xb8, 0x08, 0x46, 0x74, 0xf7, 0x43, 0x24, 0x8e, 0xe0, 0x35, 0x90, 0xe6, 0x81, 0x3a, 0x26, 0x4c,
+    0x3c, 0x28, 0x52, 0xbb, 0x91, 0xc3, 0x00, 0xcb, 0x88, 0xd0, 0x65, 0x8b, 0x1b, 0x53, 0x2e, 0xa3,
+    0x71, 0x64, 0x48, 0x97, 0xa2, 0x0d, 0xf9, 0x4e, 0x38, 0x19, 0xef, 0x46, 0xa9, 0xde, 0xac, 0xd8,
+    0xa8, 0xfa, 0x76, 0x3f, 0xe3, 0x9c, 0x34, 0x3f, 0xf9, 0xdc, 0xbb, 0xc7, 0xc7, 0x0b, 0x4f, 0x1d,
+    0x8a, 0x51, 0xe0, 0x4b, 0xcd, 0xb4, 0x59, 0x31, 0xc8, 0x9f, 0x7e, 0xc9, 0xd9, 0x78, 0x73, 0x64,
+    0xea, 0xc5, 0xac, 0x83, 0x34, 0xd3, 0xeb, 0xc3, 0xc5, 0x81, 0xa0, 0xff, 0xfa, 0x13, 0x63, 0xeb,
+    0x17, 0x0d, 0xdd, 0x51, 0xb7, 0xf0, 0xda, 0x49, 0xd3, 0x16, 0x55, 0x26, 0x29, 0xd4, 0x68, 0x9e,
+    0x2b, 0x16, 0xbe, 0x58, 0x7d, 0x47, 0xa1, 0xfc, 0x8f, 0xf8, 0xb8, 0xd1, 0x7a, 0xd0, 0x31, 0xce,
+    0x45, 0xcb, 0x3a, 0x8f, 0x95, 0x16, 0x04, 0x28, 0xaf, 0xd7, 0xfb, 0xca, 0xbb, 0x4b, 0x40, 0x7e,
+};
+
+inline uint64_t rd64(const uint8_t* p) {  // little-endian (x86)
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+inline uint32_t rd32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+inline uint64_t rotl64(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+inline uint64_t fold128(uint64_t a, uint64_t b) {
+  const unsigned __int128 m = static_cast<unsigned __int128>(a) * b;
+  return static_cast<uint64_t>(m) ^ static_cast<uint64_t>(m >> 64);
+}
+inline uint64_t avalanche3(uint64_t x) {
+  x ^= x >> 37;
+  x *= kMx1;
+  return x ^ (x >> 32);
+}
+inline uint64_t avalanche64(uint64_t x) {
+  x ^= x >> 33;
+  x *= kP64_2;
+  x ^= x >> 29;
+  x *= kP64_3;
+  return x ^ (x >> 32);
+}
+inline uint64_t mix16(const uint8_t* d, const uint8_t* s) {
+  return fold128(rd64(d) ^ rd64(s), rd64(d + 8) ^ rd64(s + 8));
+}
+
+uint64_t xxh3_short(const uint8_t* in, uint64_t len) {  // 0-240 bytes
+  const uint8_t* S = kSecret;
+  if (len == 0) return avalanche64(rd64(S + 56) ^ rd64(S + 64));
+  if (len <= 3) {
+    const uint32_t c = static_cast<uint32_t>(in[len - 1]) | static_cast<uint32_t>(len << 8) |
+                       (static_cast<uint32_t>(in[0]) << 16) |
+                       (static_cast<uint32_t>(in[len >> 1]) << 24);
+    return avalanche64(static_cast<uint64_t>(rd32(S) ^ rd32(S + 4)) ^ c);
+  }
+  if (len <= 8) {
+    const uint64_t c = rd32(in + len - 4) | (static_cast<uint64_t>(rd32(in)) << 32);
+    uint64_t v = (rd64(S + 8) ^ rd64(S + 16)) ^ c;
+    v ^= rotl64(v, 49) ^ rotl64(v, 24);
+    v *= kMx2;
+    v ^= (v >> 35) + len;
+    v *= kMx2;
+    return v ^ (v >> 28);
+  }
+  if (len <= 16) {
+    const uint64_t lo = (rd64(S + 24) ^ rd64(S + 32)) ^ rd64(in);
+    const uint64_t hi = (rd64(S + 40) ^ rd64(S + 48)) ^ rd64(in + len - 8);
+    return avalanche3(len + __builtin_bswap64(lo) + hi + fold128(lo, hi));
+  }
+  uint64_t acc = len * kP64_1;
+  if (len <= 128) {
+    const uint64_t rounds = ((len - 1) >> 5) + 1;
+    for (uint64_t i = 0; i < rounds; ++i) {
+      acc += mix16(in + 16 * i, S + 32 * i);
+      acc += mix16(in + len - 16 * i - 16, S + 32 * i + 16);
+    }
+    return avalanche3(acc);
+  }
+  for (uint64_t i = 0; i < 8; ++i) acc += mix16(in + 16 * i, S + 16 * i);
+  acc = avalanche3(acc);
+  for (uint64_t i = 8; i < (len >> 4); ++i) acc += mix16(in + 16 * i, S + 16 * (i - 8) + 3);
+  acc += mix16(in + len - 16, S + 119);
+  return avalanche3(acc);
+}
+
+struct Xxh3Acc {
+  alignas(64) uint64_t a[8] = {kP32_3, kP64_1, kP64_2, kP64_3, kP64_4, kP32_2, kP64_5, kP32_1};
+
+  // `count` stripes from `in`, stripe n with the secret at `secret + 8 * n`: lane i gets
+  // lo32(x) * hi32(x) of x = input ^ secret, lane i ^ 1 the input's lane i
+  void stripes(const uint8_t* in, int64_t count, const uint8_t* secret) {
+#if defined(__AVX512F__)
+    __m512i acc = _mm512_load_si512(a);
+    for (int64_t n = 0; n < count; ++n) {
+      const __m512i v = _mm512_loadu_si512(in + n * kStripe);
+      const __m512i x = _mm512_xor_si512(v, _mm512_loadu_si512(secret + 8 * n));
+      const __m512i product = _mm512_mul_epu32(x, _mm512_srli_epi64(x, 32));
+      acc = _mm512_add_epi64(acc, _mm512_add_epi64(product, _mm512_shuffle_epi32(v, _MM_PERM_BADC)));
+    }
+    _mm512_store_si512(a, acc);
+#elif defined(__AVX2__)
+    __m256i acc0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(a));
+    __m256i acc1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(a + 4));
+    for (int64_t n = 0; n < count; ++n) {
+      const uint8_t* p = in + n * kStripe;
+      const uint8_t* k = secret + 8 * n;
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+      const __m256i x0 = _mm256_xor_si256(v0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k)));
+      const __m256i x1 = _mm256_xor_si256(v1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + 32)));
+      acc0 = _mm256_add_epi64(acc0, _mm256_add_epi64(_mm256_mul_epu32(x0, _mm256_srli_epi64(x0, 32)),
+                                                     _mm256_shuffle_epi32(v0, 0x4E)));
+      acc1 = _mm256_add_epi64(acc1, _mm256_add_epi64(_mm256_mul_epu32(x1, _mm256_srli_epi64(x1, 32)),
+                                                     _mm256_shuffle_epi32(v1, 0x4E)));
+    }
+    _mm256_store_si256(reinterpret_cast<__m256i*>(a), acc0);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(a + 4), acc1);
+#else
+    for (int64_t n = 0; n < count; ++n) accumulate(in + n * kStripe, secret + 8 * n);
+#endif
+  }
+  void accumulate(const uint8_t* stripe, const uint8_t* secret) {
+    for (int i = 0; i < 8; ++i) {
+      const uint64_t v = rd64(stripe + 8 * i), x = v ^ rd64(secret + 8 * i);
+      a[i ^ 1] += v;
+      a[i] += (x & 0xFFFFFFFFULL) * (x >> 32);
+    }
+  }
+  void round(const uint8_t* block) {
+    stripes(block, kStripesPerBlock, kSecret);
+    for (int i = 0; i < 8; ++i) {
+      a[i] ^= a[i] >> 47;
+      a[i] ^= rd64(kSecret + kSecretLen - 64 + 8 * i);
+      a[i] *= kP32_1;
+    }
+  }
+  // The rest of the input after whole rounds: `len` (1..1024) bytes at `rest`; the input's
+  // last 64 bytes at `last`; `total` its length.
+  uint64_t finish(const uint8_t* rest, int64_t len, const uint8_t* last, uint64_t total) {
+    stripes(rest, (len - 1) / kStripe, kSecret);
+    stripes(last, 1, kSecret + kSecretLen - 71);
+    uint64_t r = total * kP64_1;
+    for (int i = 0; i < 4; ++i)
+      r += fold128(a[2 * i] ^ rd64(kSecret + 11 + 16 * i), a[2 * i + 1] ^ rd64(kSecret + 19 + 16 * i));
+    return avalanche3(r);
+  }
+};
+
+uint64_t xxh3_64(const uint8_t* in, int64_t len) {
+  if (len <= 240) return xxh3_short(in, static_cast<uint64_t>(len));
+  Xxh3Acc acc;
+  int64_t at = 0;
+  for (; len - at > kBlock; at += kBlock) acc.round(in + at);
+  return acc.finish(in + at, len - at, in + len - kStripe, static_cast<uint64_t>(len));
+}
+
+// XXH3-64 of `a` (at most 1024 bytes) followed by `b`, without joining them (a section's
+// checksum covers its header's first bytes, then its payload).
+uint64_t xxh3_64_pair(const uint8_t* a, int64_t alen, const uint8_t* b, int64_t blen) {
+  const int64_t total = alen + blen;
+  if (total <= 2 * kBlock) {
+    uint8_t joined[2 * kBlock];
+    std::memcpy(joined, a, alen);
+    std::memcpy(joined + alen, b, blen);
+    return xxh3_64(joined, total);
+  }
+  alignas(64) uint8_t first[kBlock];  // the first round's block: all of `a`, then `b`'s start
+  std::memcpy(first, a, alen);
+  std::memcpy(first + alen, b, kBlock - alen);
+  Xxh3Acc acc;
+  acc.round(first);
+  const uint8_t* in = b + (kBlock - alen);  // the input from byte kBlock on
+  const int64_t len = total - kBlock;       // > kBlock
+  int64_t at = 0;
+  for (; len - at > kBlock; at += kBlock) acc.round(in + at);
+  return acc.finish(in + at, len - at, b + blen - kStripe, static_cast<uint64_t>(total));
+}
+}  // namespace
+
+extern "C" {
+// XXH3-64 (seed 0) of `len` bytes; for tests/native/test_xxh3.py.
+uint64_t kvabi_xxh3_64(const void* data, int64_t len) {
+  return xxh3_64(static_cast<const uint8_t*>(data), len);
+}
+
+// The checksums of `n` tier entries (kvabi/wire/entries.py), row i at rows + i * size: per
+// entry, out[i][0] over bytes [0, meta_len), out[i][1 + j] over section j's `head_len` header
+// bytes at heads[j] then its payload_lens[j] bytes at payloads[j], out[i][sections + 1] over
+// those section checksums (little-endian u64 each). Items shared out over `num_threads`.
+int kvabi_entry_checksums(const uint8_t* rows, int64_t n, int64_t size, int64_t meta_len,
+                          const int64_t* heads, const int64_t* payloads,
+                          const int64_t* payload_lens, int64_t sections, int64_t head_len,
+                          uint64_t* out, int num_threads) {
+  if (n < 0 || sections < 0 || head_len < 0 || head_len > kBlock || meta_len < 0 ||
+      meta_len > size)
+    return -1;
+  for (int64_t j = 0; j < sections; ++j)
+    if (heads[j] < 0 || heads[j] + head_len > size || payloads[j] < 0 || payload_lens[j] < 0 ||
+        payloads[j] + payload_lens[j] > size)
+      return -1;
+  const int64_t width = sections + 2, items = n * (sections + 1);
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 4) if (items > 8)
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t i = item / (sections + 1), j = item % (sections + 1);
+    const uint8_t* row = rows + i * size;
+    out[i * width + j] = j == 0 ? xxh3_64(row, meta_len)
+                                : xxh3_64_pair(row + heads[j - 1], head_len,
+                                               row + payloads[j - 1], payload_lens[j - 1]);
+  }
+  for (int64_t i = 0; i < n; ++i)  // little-endian u64s: the bytes of out[i][1..sections]
+    out[i * width + sections + 1] =
+        xxh3_64(reinterpret_cast<const uint8_t*>(out + i * width + 1), 8 * sections);
+  return 0;
 }
 }

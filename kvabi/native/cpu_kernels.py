@@ -25,8 +25,10 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
@@ -172,6 +174,15 @@ class CpuKernels:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
             self._fns[name] = fn
+        self._read_files = getattr(lib, "kvabi_read_files", None)  # POSIX builds only
+        if self._read_files is not None:
+            self._read_files.argtypes = [ptr, i64, ptr, i64, i64, ptr, c_int]
+            self._read_files.restype = c_int
+        lib.kvabi_xxh3_64.argtypes, lib.kvabi_xxh3_64.restype = [ptr, i64], ctypes.c_uint64
+        self._xxh3 = lib.kvabi_xxh3_64
+        self._entry_sums = lib.kvabi_entry_checksums
+        self._entry_sums.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, c_int]
+        self._entry_sums.restype = c_int
         lib.kvabi_gemm_init.argtypes, lib.kvabi_gemm_init.restype = [c_int], c_int
         # The packed bf16 GEMM (`gemm_linear`): AMX tiles where built for this CPU and the tile
         # state is granted to this process, else AVX512-BF16 dot products where the CPU has
@@ -194,6 +205,61 @@ class CpuKernels:
         if specs.shape[1] != 21:
             raise ValueError(f"copy_views: rows of {specs.shape[1]} values, not 21")
         self._call("kvabi_copy_views", specs.data_ptr(), specs.shape[0])
+
+    def xxh3_64(self, data: bytes | bytearray | memoryview | np.ndarray) -> int:
+        """XXH3-64 with seed 0 of `data`'s bytes (what `xxhash.xxh3_64_intdigest` gives)."""
+        buf = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
+        if buf.dtype != np.uint8 or not buf.flags.c_contiguous:
+            raise ValueError("xxh3_64: contiguous bytes")
+        return int(self._xxh3(buf.ctypes.data if len(buf) else None, len(buf)))
+
+    def entry_checksums(
+        self, rows: np.ndarray, meta_len: int, sections: np.ndarray, head_len: int,
+        num_threads: int,
+    ) -> np.ndarray:  # fmt: skip
+        """The checksums of the tier entries in `rows` (uint8 `[n, size]`, C order): per row,
+        over bytes `[0, meta_len)`, over each section's `head_len` header bytes then its
+        payload (`sections`: int64 `[S, 3]` of header offset, payload offset, payload length),
+        and over those section checksums: uint64 `[n, S + 2]`, without the GIL."""
+        if rows.dtype != np.uint8 or rows.ndim != 2 or not rows.flags.c_contiguous:
+            raise ValueError("entry_checksums: rows must be a C-contiguous 2-D uint8 array")
+        table = np.ascontiguousarray(sections, dtype=np.int64).reshape(-1, 3).T.copy()
+        out = np.empty((rows.shape[0], table.shape[1] + 2), dtype=np.uint64)
+        if not rows.shape[0]:
+            return out
+        heads, payloads, lens = (table[i].ctypes.data for i in range(3))
+        code = self._entry_sums(rows.ctypes.data, rows.shape[0], rows.shape[1], meta_len, heads,
+                                payloads, lens, table.shape[1], head_len, out.ctypes.data,
+                                num_threads)  # fmt: skip
+        if code != 0:
+            raise ValueError(f"entry_checksums: a span lies outside the {rows.shape[1]}-byte rows")
+        return out
+
+    @property
+    def reads_files(self) -> bool:
+        """Whether `read_files` is built here (a POSIX system)."""
+        return self._read_files is not None
+
+    def read_files(
+        self, paths: Sequence[str], rows: np.ndarray, now_ns: int, num_threads: int
+    ) -> list[int]:
+        """Read file i of `paths` into row i of `rows` (uint8 `[>= len(paths), size]`, C
+        order), at most `size` bytes each, with the GIL released; stamp each with `now_ns`.
+        Per file: the bytes read, or -errno where it could not be opened or read."""
+        if rows.dtype != np.uint8 or rows.ndim != 2 or not rows.flags.c_contiguous:
+            raise ValueError("read_files: rows must be a C-contiguous 2-D uint8 array")
+        if len(paths) > len(rows):
+            raise ValueError(f"read_files: {len(paths)} files for {len(rows)} rows")
+        if not paths:
+            return []
+        names = [os.fsencode(p) for p in paths]
+        c_paths = (ctypes.c_char_p * len(names))(*names)
+        got = (ctypes.c_int64 * len(names))()
+        code = self._read_files(c_paths, len(names), rows.ctypes.data, rows.shape[1], now_ns,
+                                got, num_threads)  # fmt: skip
+        if code != 0:
+            raise RuntimeError(f"kvabi_read_files failed with code {code}")
+        return list(got)
 
     @staticmethod
     def paged_decode_gap(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:

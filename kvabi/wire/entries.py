@@ -28,6 +28,7 @@ import xxhash
 
 from kvabi.abi.buffers import CacheBuffers, buffer_specs
 from kvabi.abi.descriptor import Descriptor
+from kvabi.native.cpu_kernels import cpu_kernels
 from kvabi.wire.container_format import (
     CHECKSUM_BYTES,
     END,
@@ -36,7 +37,6 @@ from kvabi.wire.container_format import (
     SECTION_HEAD_CHECKED,
     SECTION_HEADER,
     TOKEN_BYTES,
-    U64,
     desc_json,
     padding,
     section_layouts,
@@ -65,7 +65,10 @@ class EntryShape:
     buffers: dict[str, int]  # buffer key -> its offset in the entry
     template: np.ndarray  # uint8 [size]: a writer's entry (fixed fields as every entry has them)
     fixed: np.ndarray  # int64: the offsets of every fixed byte
+    fixed_values: np.ndarray  # uint8: the template's bytes there
     sums: np.ndarray  # int64 [sections + 2, 8]: where the meta, section and end checksums go
+    spans: tuple[tuple[slice, slice], ...]  # per section: the header bytes and payload summed
+    section_table: np.ndarray  # int64 [sections, 3]: header, payload offset, payload length
 
     @property
     def block_size(self) -> int:
@@ -105,6 +108,8 @@ def entry_shape(desc: Descriptor) -> EntryShape | None:
     if at + END.size != len(template):
         raise AssertionError(f"entry shape: {at + END.size} bytes, the writer made {len(template)}")
     checked = [meta_sum_at, *(s.head_at + SECTION_HEAD_CHECKED for s in sections), end_sum_at]
+    fixed = np.flatnonzero(~variable)
+    entry = np.frombuffer(template, dtype=np.uint8).copy()
     return EntryShape(
         desc=desc,
         size=len(template),
@@ -114,9 +119,20 @@ def entry_shape(desc: Descriptor) -> EntryShape | None:
         sections=tuple(sections),
         end_at=at,
         buffers=buffers,
-        template=np.frombuffer(template, dtype=np.uint8).copy(),
-        fixed=np.flatnonzero(~variable),
+        template=entry,
+        fixed=fixed,
+        fixed_values=entry[fixed],
         sums=np.asarray(checked, dtype=np.int64)[:, None] + np.arange(CHECKSUM_BYTES),
+        spans=tuple(
+            (
+                slice(s.head_at, s.head_at + SECTION_HEAD_CHECKED),
+                slice(s.payload_at, s.payload_at + s.payload_len),
+            )
+            for s in sections
+        ),  # fmt: skip
+        section_table=np.asarray(
+            [(s.head_at, s.payload_at, s.payload_len) for s in sections], dtype=np.int64
+        ).reshape(-1, 3),
     )
 
 
@@ -125,7 +141,7 @@ def write_entries(
     block_hashes: Sequence[bytes],
 ) -> list[bytes]:  # fmt: skip
     """The entries of `blocks`' first `len(block_hashes)` blocks (of `shape.desc`), block i
-    under `token_ids[i]` and `block_hashes[i]`."""
+    under `token_ids[i]` and `block_hashes[i]` (as `seal_entries` returns them)."""
     if blocks.desc != shape.desc:
         raise ValueError("write_entries: the blocks are not of the shape's descriptor")
     n = len(block_hashes)
@@ -155,15 +171,13 @@ def seal_entries(
         len(h) != HASH_BYTES for h in block_hashes
     ):
         raise ValueError(f"seal_entries: {shape.block_size} tokens and a 32-byte hash per block")
-    rows[:, shape.fixed] = shape.template[shape.fixed]
+    rows[:, shape.fixed] = shape.fixed_values
     ids = np.asarray(token_ids, dtype="<u4").reshape(n, -1).view(np.uint8)
     rows[:, shape.tokens_at : shape.hashes_at] = ids
     rows[:, shape.hashes_at : shape.meta_sum_at] = np.frombuffer(
         b"".join(block_hashes), dtype=np.uint8
     ).reshape(n, HASH_BYTES)
-    sums = np.empty((n, len(shape.sections) + 2), dtype="<u8")
-    for i in range(n):
-        sums[i] = _checksums(shape, rows[i])
+    sums = entry_checksums(shape, rows).astype("<u8", copy=False)
     rows[:, shape.sums] = sums.view(np.uint8).reshape(n, -1, CHECKSUM_BYTES)
     return [row.tobytes() for row in rows]
 
@@ -192,41 +206,103 @@ def read_rows(
 ) -> tuple[int, CacheBuffers | None]:  # fmt: skip
     """`read_entries` of entries already in the rows of `rows` (`[n, shape.size]` bytes, read
     there by the tier): their blocks are views of `rows`."""
+    n = verify_rows(shape, rows, token_ids, block_hashes)
+    return (n, rows_cache(shape, rows[:n])) if n else (0, None)
+
+
+def verify_rows(
+    shape: EntryShape, rows: np.ndarray, token_ids: Sequence[Sequence[int]],
+    block_hashes: Sequence[bytes],
+) -> int:  # fmt: skip
+    """How many leading rows of `rows` are verified entries of `shape.desc` holding exactly
+    block i's tokens and hash: every fixed byte, the identity, every checksum (all rows at
+    once: the checksums by the kernels where built, without the GIL)."""
     n = 0
-    for raw, ids, block_hash in zip(rows, token_ids, block_hashes, strict=False):
-        if not np.array_equal(raw[shape.fixed], shape.template[shape.fixed]):
-            break
-        if bytes(raw[shape.hashes_at : shape.meta_sum_at]) != block_hash:
-            break
-        if raw[shape.tokens_at : shape.hashes_at].view("<u4").tolist() != list(ids):
-            break
-        stored = raw[shape.sums].reshape(-1).view("<u8")
-        if not np.array_equal(stored, _checksums(shape, raw)):
+    for ids, block_hash in zip(token_ids, block_hashes[: len(rows)], strict=False):
+        if len(ids) != shape.block_size or len(block_hash) != HASH_BYTES:
             break
         n += 1
     if not n:
-        return 0, None
-    return n, CacheBuffers(shape.desc, _buffer_views(shape, rows[:n]))
+        return 0
+    rows = rows[:n]
+    ok = (rows[:, shape.fixed] == shape.fixed_values).all(axis=1)
+    hashes = np.frombuffer(b"".join(block_hashes[:n]), dtype=np.uint8).reshape(n, HASH_BYTES)
+    ok &= (rows[:, shape.hashes_at : shape.meta_sum_at] == hashes).all(axis=1)
+    stored_ids = rows[:, shape.tokens_at : shape.hashes_at].view("<u4").astype(np.int64)
+    ok &= (stored_ids == np.asarray(token_ids[:n], dtype=np.int64)).all(axis=1)
+    stored = np.ascontiguousarray(rows[:, shape.sums]).reshape(n, -1).view("<u8")
+    ok &= (stored == entry_checksums(shape, rows)).all(axis=1)
+    return n if ok.all() else int(np.argmin(ok))
+
+
+def entry_checksums(shape: EntryShape, rows: np.ndarray) -> np.ndarray:
+    """The meta, section and end checksums of the entries in `rows` (`[n, size]`; their
+    stored checksum fields ignored): uint64 `[n, sections + 2]`."""
+    kernels = cpu_kernels()
+    if kernels is not None and rows.flags.c_contiguous:
+        return kernels.entry_checksums(rows, shape.meta_sum_at, shape.section_table,
+                                       SECTION_HEAD_CHECKED, torch.get_num_threads())  # fmt: skip
+    sums = np.empty((len(rows), len(shape.sections) + 2), dtype="<u8")
+    for i, raw in enumerate(rows):
+        sums[i] = _checksums(shape, raw)
+    return sums
+
+
+def rows_cache(shape: EntryShape, rows: np.ndarray) -> CacheBuffers:
+    """The blocks of the entries in `rows` (`[n, shape.size]`) as views of it, B over them."""
+    return CacheBuffers(shape.desc, _buffer_views(shape, rows))
 
 
 def _checksums(shape: EntryShape, raw: np.ndarray) -> np.ndarray:
     """The meta, section and end checksums of one entry's bytes (its stored fields ignored)."""
     data = memoryview(raw)
-    sums = [xxhash.xxh3_64_intdigest(data[: shape.meta_sum_at])]
-    for s in shape.sections:
-        h = xxhash.xxh3_64(data[s.head_at : s.head_at + SECTION_HEAD_CHECKED])
-        h.update(data[s.payload_at : s.payload_at + s.payload_len])
-        sums.append(h.intdigest())
-    sums.append(xxhash.xxh3_64_intdigest(b"".join(U64.pack(c) for c in sums[1:])))
-    return np.asarray(sums, dtype="<u8")
+    sums = np.empty(len(shape.spans) + 2, dtype="<u8")
+    sums[0] = xxhash.xxh3_64_intdigest(data[: shape.meta_sum_at])
+    h = xxhash.xxh3_64()
+    for i, (head, payload) in enumerate(shape.spans, 1):
+        h.reset()
+        h.update(data[head])
+        h.update(data[payload])
+        sums[i] = h.intdigest()
+    sums[-1] = xxhash.xxh3_64_intdigest(sums[1:-1].tobytes())  # the section checksums, <u8 each
+    return sums
 
 
 def _buffer_views(shape: EntryShape, out: np.ndarray) -> dict[str, torch.Tensor]:
-    """Each buffer of the entries in `out` ([n, size] bytes) as a view with B = n."""
+    """Each buffer of the entries in `out` ([n, size] bytes) as a view with B = n: one strided
+    view of the rows per buffer (B steps one entry; the rest as in a one-block buffer)."""
+    layouts = _layouts(shape)
+    if not out.flags.c_contiguous or any(
+        at % spec.dtype.itemsize or shape.size % spec.dtype.itemsize for spec, at in layouts
+    ):
+        return _buffer_views_sliced(shape, out)
+    n, flat = out.shape[0], torch.from_numpy(out).view(-1)
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    views = {}
+    for spec, at in layouts:
+        item = spec.dtype.itemsize
+        if spec.dtype not in typed:
+            typed[spec.dtype] = flat.view(spec.dtype)
+        b, sizes, strides = spec.dim("B"), list(spec.shape), [1] * len(spec.shape)
+        for d in range(len(sizes) - 2, -1, -1):
+            strides[d] = strides[d + 1] * sizes[d + 1]
+        sizes[b], strides[b] = n, shape.size // item
+        views[spec.key] = typed[spec.dtype].as_strided(sizes, strides, at // item)
+    return views
+
+
+@lru_cache(maxsize=64)
+def _layouts(shape: EntryShape) -> tuple:
+    """(spec, byte offset in an entry) per buffer of a one-block cache of `shape.desc`."""
+    return tuple((spec, shape.buffers[spec.key]) for spec in buffer_specs(shape.desc, 1))
+
+
+def _buffer_views_sliced(shape: EntryShape, out: np.ndarray) -> dict[str, torch.Tensor]:
+    """`_buffer_views` of rows that are not one C-ordered array, or a buffer at an offset its
+    element size does not divide: per buffer, the rows' columns re-viewed."""
     n, rows = out.shape[0], torch.from_numpy(out)
     views = {}
-    for spec in buffer_specs(shape.desc, 1):
-        at = shape.buffers[spec.key]
+    for spec, at in _layouts(shape):
         cols = rows[:, at : at + spec.num_bytes].view(spec.dtype)  # [n, elements]
         b = spec.dim("B")
         views[spec.key] = cols.view(n, *spec.shape).squeeze(b + 1).movedim(0, b)

@@ -10,11 +10,13 @@ import torch
 from kvabi.abi.buffers import CacheBuffers, allocate
 from kvabi.abi.descriptor import ATTN, LayerSpec, ModelSpec
 from kvabi.abi.presets import preset_descriptor
+from kvabi.cache import disk_tier
 from kvabi.cache.block_codec import narrow_blocks
 from kvabi.cache.block_hasher import BlockKey
 from kvabi.cache.disk_tier import DiskTier
 from kvabi.cache.host_tier import HostTier
 from kvabi.cache.redis_tier import RedisTier
+from kvabi.native.cpu_kernels import cpu_kernels, kernel_status
 from tests.cache.redis_server import redis_server  # noqa: F401 - a fixture
 
 DIGEST_A, DIGEST_B = "a" * 32, "b" * 32
@@ -96,7 +98,17 @@ def test_disk_tier_keeps_models_apart_and_clears_interrupted_writes(tmp_path):
     assert sorted(p.name for p in again.dir.iterdir()) == [f"{h(1).hex()}.kvabi", "notes.txt"]
 
 
-def test_disk_rows_are_read_in_place_up_to_the_first_other_size_or_miss(tmp_path):
+@pytest.fixture(params=["kernels", "python"])
+def file_reads(request, monkeypatch):
+    """The disk tier's bulk reads by the kernels (one call, no GIL), or a file at a time."""
+    if request.param == "python":
+        monkeypatch.setattr(disk_tier, "cpu_kernels", lambda: None)
+    elif cpu_kernels() is None:
+        pytest.fail(f"the suite needs the kernels: {kernel_status()}")
+    return request.param
+
+
+def test_disk_rows_are_read_in_place_up_to_the_first_other_size_or_miss(tmp_path, file_reads):
     tier = DiskTier(tmp_path, 1000, DIGEST_A)
     for i, size in enumerate([8, 8, 9, 8]):
         tier.put(h(i), bytes([i]) * size)
@@ -112,6 +124,31 @@ def test_a_disk_entry_deleted_behind_the_tiers_back_is_a_miss(tmp_path):
     tier.put(h(1), b"x")
     tier.path(h(1)).unlink()
     assert tier.get_many([h(1)]) == [None] and tier.contains_many([h(1)]) == [False]
+
+
+def test_disk_rows_stop_at_a_file_deleted_or_cut_short_behind_the_tiers_back(tmp_path, file_reads):
+    tier = DiskTier(tmp_path, 1000, DIGEST_A)
+    for i in range(4):
+        tier.put(h(i), bytes([i + 1]) * 8)
+    tier.path(h(2)).write_bytes(b"short")  # changed under the tier: still indexed at 8 bytes
+    rows = np.zeros((4, 8), dtype=np.uint8)
+    assert tier.read_rows([h(0), h(1), h(2), h(3)], rows) == 2
+    assert rows[:2].tolist() == [[1] * 8, [2] * 8]
+    assert tier.contains_many([h(2)]) == [True]  # the entry-by-entry path reads it, says what
+    tier.path(h(1)).unlink()
+    assert tier.read_rows([h(0), h(1), h(3)], rows) == 1
+    assert tier.contains_many([h(0), h(1), h(3)]) == [True, False, True]  # gone: dropped
+
+
+def test_a_disk_read_refreshes_the_files_lru_time_across_a_restart(tmp_path, file_reads):
+    tier = DiskTier(tmp_path, 24, DIGEST_A)
+    for i in range(3):
+        tier.put(h(i), bytes([i]) * 8)
+    assert tier.read_rows([h(0)], np.zeros((1, 8), dtype=np.uint8)) == 1  # 0: most recent
+    assert tier.path(h(0)).stat().st_mtime_ns > tier.path(h(2)).stat().st_mtime_ns
+    again = DiskTier(tmp_path, 24, DIGEST_A)  # a restart: the order is the files' times
+    again.put(h(3), bytes(8))  # evicts 1, the least recent
+    assert again.contains_many([h(0), h(1), h(2), h(3)]) == [True, False, True, True]
 
 
 def test_redis_tier_lru_and_capacity_are_shared_by_every_client(redis_server):  # noqa: F811

@@ -2,6 +2,7 @@
 containers, and verified as strictly as `read_container`, which names what is wrong with any
 entry the bulk reader stops at."""
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -11,7 +12,13 @@ from kvabi.abi.descriptor import Descriptor, Layout
 from kvabi.abi.presets import preset_descriptor
 from kvabi.wire import ChecksumError, FormatError, container_bytes, read_container
 from kvabi.wire.container import Container
-from kvabi.wire.entries import entry_shape, read_entries, write_entries
+from kvabi.wire.entries import (
+    _buffer_views,
+    _buffer_views_sliced,
+    entry_shape,
+    read_entries,
+    write_entries,
+)
 from tests.abi import test_centries
 from tests.abi.strategies import descriptors
 from tests.wire.container_cases import DESCRIPTORS, filled, raw
@@ -85,7 +92,8 @@ def test_random_geometries_write_the_writers_bytes(desc, n):
     assert count == n and _same_blocks(back, blocks)
 
 
-def _flip(entry: bytes, at: int) -> bytes:
+def _flip(entry: bytes | memoryview, at: int) -> bytes:
+    entry = bytes(entry)
     return entry[:at] + bytes([entry[at] ^ 0x10]) + entry[at + 1 :]
 
 
@@ -169,3 +177,16 @@ def test_views_of_a_bulk_read_convert_like_any_cache():
         picked = blocks.tensors[key].index_select(b, torch.tensor(src))
         t.index_copy_(b, torch.tensor(dst), picked)
         assert raw(pool.tensors[key]) == raw(t)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_strided_views_of_the_rows_are_the_sliced_ones(name):
+    desc = CASES[name]
+    shape = entry_shape(desc)
+    ids, hashes = _keys(desc)
+    entries = write_entries(shape, filled(desc, len(hashes)), ids, hashes)
+    rows = np.stack([np.frombuffer(e, dtype=np.uint8) for e in entries])
+    strided, sliced = _buffer_views(shape, rows), _buffer_views_sliced(shape, rows)
+    for key, view in strided.items():
+        assert view.shape == sliced[key].shape and view.stride() == sliced[key].stride()
+        assert view.data_ptr() == sliced[key].data_ptr()  # the same elements, then
