@@ -38,9 +38,11 @@ class BlockCodec:
         one = narrow_blocks(blocks, index, 1)
         return container_bytes(one, key.token_ids, [key.block_hash])
 
-    def encode_many(self, blocks: CacheBuffers, keys: Sequence[BlockKey]) -> list[bytes]:
+    def encode_many(
+        self, blocks: CacheBuffers, keys: Sequence[BlockKey]
+    ) -> list[bytes | memoryview]:
         """The entries of blocks 0 .. len(keys)-1 of `blocks`, written in bulk where their
-        layout allows (the same bytes as `encode`'s)."""
+        layout allows (the same bytes as `encode`'s; views of one array: `seal_entries`)."""
         shape = entry_shape(blocks.desc) if len(keys) > 1 else None
         if shape is None:
             return [self.encode(blocks, i, key) for i, key in enumerate(keys)]
@@ -50,7 +52,7 @@ class BlockCodec:
 
     def encode_from(
         self, cache: CacheBuffers, block_ids: Sequence[int], keys: Sequence[BlockKey]
-    ) -> tuple[list[bytes], int]:
+    ) -> tuple[list[bytes | memoryview], int]:
         """The entries of `keys`' blocks, read out of `cache` (any layout and block size of
         the model) through its `block_ids`, converted straight into the entries where their
         layout allows; and the K/V bytes they hold."""

@@ -189,11 +189,12 @@ class HostTier(KVTier):
                     out.append(None)
         return out
 
-    def _put(self, block_hash: bytes, entry: bytes) -> None:
+    def _put(self, block_hash: bytes, entry: bytes | memoryview) -> None:
         with self._lock:
             if block_hash in self._entries:
                 self._entries.move_to_end(block_hash)
                 return
+            entry = bytes(entry)  # held: its own bytes, not a view pinning other entries
             evicted = self._make_room(len(entry), None)
             self._entries[block_hash] = entry
             self._num_bytes += len(entry)

@@ -106,7 +106,7 @@ class RedisTier(KVTier):
         self._seen = (int(total or 0), int(count))
         return [e if isinstance(e, bytes) else None for e in entries]
 
-    def _put(self, block_hash: bytes, entry: bytes) -> None:
+    def _put(self, block_hash: bytes, entry: bytes | memoryview) -> None:
         keys = [self.key(block_hash), self._lru_key, self._bytes_key]
         result = self._put_script(keys=keys, args=[entry, time.time(), self.capacity_bytes])
         wrote, evicted, total, count = (int(x) for x in result)

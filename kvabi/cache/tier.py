@@ -120,8 +120,9 @@ class KVTier(ABC):
             n += 1
         return n
 
-    def put(self, block_hash: bytes, entry: bytes) -> None:
-        """Store an entry (a no-op when present), evicting the least recent to fit."""
+    def put(self, block_hash: bytes, entry: bytes | memoryview) -> None:
+        """Store an entry (a no-op when present), evicting the least recent to fit. A view
+        (`seal_entries`) is read before this returns, or copied."""
         if len(entry) <= self.capacity_bytes:  # else it would evict everything, then not fit
             self._guard(lambda: self._put(block_hash, entry), None)
 
@@ -164,7 +165,7 @@ class KVTier(ABC):
     def _get_many(self, block_hashes: Sequence[bytes]) -> list[bytes | None]: ...
 
     @abstractmethod
-    def _put(self, block_hash: bytes, entry: bytes) -> None: ...
+    def _put(self, block_hash: bytes, entry: bytes | memoryview) -> None: ...
 
     @abstractmethod
     def _remove(self, block_hash: bytes) -> None: ...

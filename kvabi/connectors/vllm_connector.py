@@ -37,6 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -83,7 +84,9 @@ class KvabiMetadata(KVConnectorMetadata):
 class KvabiWorkerMetadata(KVConnectorWorkerMetadata):
     """Entries the worker encoded this step, for the scheduler side to write down."""
 
-    entries: list[tuple[bytes, bytes]] = field(default_factory=list)  # (block hash, container)
+    # (block hash, container): each a view of its row of the step's encoded entries (an array
+    # pickles where vLLM sends this between processes; a memoryview would not)
+    entries: list[tuple[bytes, np.ndarray]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, KvabiWorkerMetadata):
@@ -148,7 +151,7 @@ class KvabiConnector(KVConnectorBase_V1):
         self._loads: list[Load] = []
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._cache: CacheBuffers | None = None
-        self._encoded: list[tuple[bytes, bytes]] = []
+        self._encoded: list[tuple[bytes, np.ndarray]] = []
         self.stats = TransferStats()
 
     # ---- scheduler side ----
@@ -262,7 +265,7 @@ class KvabiConnector(KVConnectorBase_V1):
             start = time.perf_counter()
             for block_hash, entry in meta.entries:
                 for tier in self.tiers.tiers:
-                    tier.put(block_hash, entry)
+                    tier.put(block_hash, memoryview(entry))
             self.stats.write_s += time.perf_counter() - start
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
@@ -310,7 +313,10 @@ class KvabiConnector(KVConnectorBase_V1):
             start = time.perf_counter()
             check_block_ids(save.block_ids)
             entries, num_bytes = self.codec.encode_from(self._cache, save.block_ids, save.keys)
-            self._encoded += [(k.block_hash, e) for k, e in zip(save.keys, entries, strict=True)]
+            self._encoded += [
+                (k.block_hash, np.frombuffer(e, dtype=np.uint8))
+                for k, e in zip(save.keys, entries, strict=True)
+            ]
             self.stats.save_s += time.perf_counter() - start
             self.stats.num_saved += len(save.keys)
             self.stats.bytes_saved += num_bytes

@@ -139,7 +139,7 @@ def entry_shape(desc: Descriptor) -> EntryShape | None:
 def write_entries(
     shape: EntryShape, blocks: CacheBuffers, token_ids: Sequence[Sequence[int]],
     block_hashes: Sequence[bytes],
-) -> list[bytes]:  # fmt: skip
+) -> list[memoryview]:  # fmt: skip
     """The entries of `blocks`' first `len(block_hashes)` blocks (of `shape.desc`), block i
     under `token_ids[i]` and `block_hashes[i]` (as `seal_entries` returns them)."""
     if blocks.desc != shape.desc:
@@ -161,9 +161,10 @@ def entry_rows(shape: EntryShape, n: int) -> tuple[np.ndarray, CacheBuffers]:
 def seal_entries(
     shape: EntryShape, rows: np.ndarray, token_ids: Sequence[Sequence[int]],
     block_hashes: Sequence[bytes],
-) -> list[bytes]:  # fmt: skip
+) -> list[memoryview]:  # fmt: skip
     """The entries whose blocks were written into `rows` (`entry_rows`), block i under
-    `token_ids[i]` and `block_hashes[i]`: every other field written, checksums last."""
+    `token_ids[i]` and `block_hashes[i]`: every other field written, checksums last. Each is a
+    view of its row (no copy; `bytes(entry)` keeps one without the whole array alive)."""
     n = len(block_hashes)
     if len(rows) != n or len(token_ids) != n:
         raise ValueError(f"seal_entries: {len(rows)} rows, {len(token_ids)} token runs, {n} hashes")
@@ -179,7 +180,7 @@ def seal_entries(
     ).reshape(n, HASH_BYTES)
     sums = entry_checksums(shape, rows).astype("<u8", copy=False)
     rows[:, shape.sums] = sums.view(np.uint8).reshape(n, -1, CHECKSUM_BYTES)
-    return [row.tobytes() for row in rows]
+    return [memoryview(row) for row in rows]  # the rows' own bytes: no copy per entry
 
 
 def read_entries(
