@@ -17,10 +17,13 @@ before. No kernels, no plan.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from kvabi.native.cpu_kernels import cpu_kernels
 
 COPY_DIMS = 5  # outer dims a spec holds (kCopyDims in cpu_kernels.cpp)
 # one spec: dst, src, nd, shape[COPY_DIMS], dst strides, src strides (bytes), row, op, scale
@@ -165,3 +168,62 @@ def _spec(dst: torch.Tensor, src: torch.Tensor, op: RowOp | None = None) -> list
     scale_bits = int(torch.tensor(op.scale, dtype=torch.float32).view(torch.int32).item())
     return [dst.data_ptr(), src.data_ptr(), len(merged), *shape, *dst_strides, *src_strides,
             row, op.op, scale_bits & 0xFFFFFFFF]  # fmt: skip
+
+
+TRANSPOSE_DIMS = 4  # outer dims a transposing spec holds (kTransposeDims in cpu_kernels.cpp)
+TRANSPOSE_WIDTH = 3 + 3 * TRANSPOSE_DIMS + 4
+
+
+def transpose_spec(dst: torch.Tensor, src: torch.Tensor) -> list[int] | None:
+    """`dst.copy_(src)` of 2-byte elements where the axis contiguous in `src` is not the one
+    contiguous in `dst` (vLLM CPU's K^T against token-major blocks), as a kernel spec with
+    absolute addresses: outer dims, then the tile (rows: `dst`'s contiguous axis, columns:
+    `src`'s), or None where the pair is not such a copy."""
+    if dst.dtype != src.dtype or dst.element_size() != 2 or dst.numel() == 0:
+        return None
+    if dst.device.type != "cpu" or src.device.type != "cpu":
+        return None
+    template = _transpose_template(tuple(dst.shape), dst.stride(), tuple(src.shape), src.stride())
+    return None if template is None else [dst.data_ptr(), src.data_ptr(), *template]
+
+
+@functools.lru_cache(maxsize=256)
+def _transpose_template(
+    shape: tuple[int, ...], dst_stride: tuple[int, ...], src_shape: tuple[int, ...],
+    src_stride: tuple[int, ...],
+) -> tuple[int, ...] | None:  # fmt: skip
+    """`transpose_spec` past its two addresses, per geometry (every layer of a cache has the
+    same views: worked out once)."""
+    if shape != src_shape:
+        return None
+    dims = [d for d in range(len(shape)) if shape[d] != 1]
+    cols = next((d for d in dims if src_stride[d] == 1), None)
+    rows = next((d for d in dims if dst_stride[d] == 1), None)
+    if cols is None or rows is None or cols == rows:
+        return None
+    outer = [d for d in dims if d not in (rows, cols)]
+    if len(outer) > TRANSPOSE_DIMS:
+        return None
+    pad = TRANSPOSE_DIMS - len(outer)
+    return (
+        len(outer),
+        *([shape[d] for d in outer] + [1] * pad),
+        *([2 * dst_stride[d] for d in outer] + [0] * pad),
+        *([2 * src_stride[d] for d in outer] + [0] * pad),
+        shape[rows], shape[cols], 2 * src_stride[rows], 2 * dst_stride[cols],
+    )  # fmt: skip
+
+
+def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """`dst.copy_(src)` for every pair: those that transpose 2-byte elements in one call to the
+    kernels where they run them in vector registers, the rest by torch."""
+    kernels = cpu_kernels()
+    specs = []
+    for dst, src in pairs:
+        spec = transpose_spec(dst, src) if kernels is not None and kernels.transposes_fast else None
+        if spec is None:
+            dst.copy_(src)
+        else:
+            specs.append(spec)
+    if specs:
+        kernels.transpose_views(torch.tensor(specs, dtype=torch.int64))

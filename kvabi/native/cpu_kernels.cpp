@@ -1630,3 +1630,117 @@ int kvabi_entry_checksums(const uint8_t* rows, int64_t n, int64_t size, int64_t 
   return 0;
 }
 }
+
+namespace {
+// Transposing copies of 2-byte elements (kvabi/abi/view_copy.py `transpose_spec`): for every
+// index of the outer dims, a tile of `rows` x `cols` elements where element (r, c) lies at
+// src + r * src_row_stride + 2c (the source's columns contiguous) and at dst + 2r +
+// c * dst_col_stride (the destination's rows contiguous): vLLM's CPU K^T [D][N] against
+// token-major blocks, in either direction.
+constexpr int kTransposeDims = 4;
+struct TransposeSpec {
+  int64_t dst, src, nd, shape[kTransposeDims], dst_stride[kTransposeDims],
+      src_stride[kTransposeDims];
+  int64_t rows, cols, src_row_stride, dst_col_stride;
+};
+
+inline void transpose_scalar(const uint8_t* s, uint8_t* d, const TransposeSpec& sp, int64_t r0,
+                             int64_t r1, int64_t c0, int64_t c1) {
+  for (int64_t c = c0; c < c1; ++c)
+    for (int64_t r = r0; r < r1; ++r)
+      std::memcpy(d + 2 * r + c * sp.dst_col_stride, s + r * sp.src_row_stride + 2 * c, 2);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16 rows x up to 32 columns (`cols` 16 or 32): the rows' 16 dwords (column pairs) transposed
+// as a 16 x 16 dword matrix, each result split into its column pair's two rows of 16.
+inline void transpose_tile16(const uint8_t* s, int64_t s_row, uint8_t* d, int64_t d_col, int cols) {
+  const __mmask16 mask = cols == 32 ? 0xFFFF : 0x00FF;
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_maskz_loadu_epi32(mask, s + i * s_row);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0x88);
+      t[8 * i + j + 4] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+  for (int j = 0; j < cols / 2; ++j) {  // r[j]: column pair j of the 16 rows
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 2 * j * d_col), _mm512_cvtepi32_epi16(r[j]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + (2 * j + 1) * d_col),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(r[j], 16)));
+  }
+}
+#endif
+
+void transpose_tile(const uint8_t* s, uint8_t* d, const TransposeSpec& sp) {
+  int64_t r = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  for (; r + 16 <= sp.rows; r += 16) {
+    int64_t c = 0;
+    for (; c + 16 <= sp.cols; c += c + 32 <= sp.cols ? 32 : 16)
+      transpose_tile16(s + r * sp.src_row_stride + 2 * c, sp.src_row_stride,
+                       d + 2 * r + c * sp.dst_col_stride, sp.dst_col_stride,
+                       c + 32 <= sp.cols ? 32 : 16);
+    transpose_scalar(s, d, sp, r, r + 16, c, sp.cols);
+  }
+#endif
+  transpose_scalar(s, d, sp, r, sp.rows, 0, sp.cols);
+}
+
+void transpose_views(const TransposeSpec* specs, int64_t count, int num_threads) {
+  std::vector<int64_t> first(count + 1, 0);  // the item where each copy's outer indices begin
+  for (int64_t c = 0; c < count; ++c) {
+    int64_t n = 1;
+    for (int i = 0; i < specs[c].nd; ++i) n *= specs[c].shape[i];
+    first[c + 1] = first[c] + n;
+  }
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (first[count] > 1)
+  for (int64_t item = 0; item < first[count]; ++item) {
+    const int64_t c = std::upper_bound(first.begin(), first.end(), item) - first.begin() - 1;
+    const TransposeSpec& sp = specs[c];
+    int64_t rest = item - first[c], d = sp.dst, s = sp.src;
+    for (int i = static_cast<int>(sp.nd) - 1; i >= 0; --i) {
+      const int64_t at = rest % sp.shape[i];
+      rest /= sp.shape[i];
+      d += at * sp.dst_stride[i];
+      s += at * sp.src_stride[i];
+    }
+    transpose_tile(reinterpret_cast<const uint8_t*>(s), reinterpret_cast<uint8_t*>(d), sp);
+  }
+}
+}  // namespace
+
+extern "C" {
+// specs: `count` TransposeSpec (see transpose_views). Returns 0, -1 for a spec it cannot take.
+int kvabi_transpose_views(const void* specs, int64_t count, int num_threads) {
+  const auto* sp = static_cast<const TransposeSpec*>(specs);
+  for (int64_t c = 0; c < count; ++c)
+    if (sp[c].nd < 0 || sp[c].nd > kTransposeDims || sp[c].rows < 1 || sp[c].cols < 1)
+      return -1;
+  transpose_views(sp, count, num_threads);
+  return 0;
+}
+
+// 1 where the transposing copies run 16 x 32 tiles in AVX-512 registers, 0 where element by
+// element (a build without AVX-512 BW).
+int kvabi_transpose_is_vectorized() {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+}

@@ -165,6 +165,7 @@ class CpuKernels:
             "kvabi_mla_decode_records": [ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i64, c_int]
             + [c_float, c_int],
             "kvabi_copy_views": [ptr, i64, c_int],
+            "kvabi_transpose_views": [ptr, i64, c_int],
         }
         lib.kvabi_paged_decode_variant.argtypes = [c_int, c_int, c_int]
         lib.kvabi_paged_decode_variant.restype = c_int
@@ -178,6 +179,9 @@ class CpuKernels:
         if self._read_files is not None:
             self._read_files.argtypes = [ptr, i64, ptr, i64, i64, ptr, c_int]
             self._read_files.restype = c_int
+        lib.kvabi_transpose_is_vectorized.restype = c_int
+        # whether transposing copies run in AVX-512 registers (else element by element)
+        self.transposes_fast = bool(lib.kvabi_transpose_is_vectorized())
         lib.kvabi_xxh3_64.argtypes, lib.kvabi_xxh3_64.restype = [ptr, i64], ctypes.c_uint64
         self._xxh3 = lib.kvabi_xxh3_64
         self._entry_sums = lib.kvabi_entry_checksums
@@ -205,6 +209,15 @@ class CpuKernels:
         if specs.shape[1] != 21:
             raise ValueError(f"copy_views: rows of {specs.shape[1]} values, not 21")
         self._call("kvabi_copy_views", specs.data_ptr(), specs.shape[0])
+
+    def transpose_views(self, specs: torch.Tensor) -> None:
+        """Run the transposing copies `specs` describes ([count, 19] int64 rows:
+        `kvabi/abi/view_copy.py` `transpose_spec`) in one call."""
+        if specs.dtype != torch.int64 or specs.dim() != 2 or not specs.is_contiguous():
+            raise ValueError("transpose_views: specs must be a contiguous [count, 19] int64 tensor")
+        if specs.shape[1] != 19:
+            raise ValueError(f"transpose_views: rows of {specs.shape[1]} values, not 19")
+        self._call("kvabi_transpose_views", specs.data_ptr(), specs.shape[0])
 
     def xxh3_64(self, data: bytes | bytearray | memoryview | np.ndarray) -> int:
         """XXH3-64 with seed 0 of `data`'s bytes (what `xxhash.xxh3_64_intdigest` gives)."""

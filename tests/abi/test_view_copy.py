@@ -5,12 +5,13 @@ import pytest
 import torch
 
 from kvabi.abi import convert as convert_module
+from kvabi.abi import view_copy as view_copy_module
 from kvabi.abi.buffers import CacheBuffers, allocate
 from kvabi.abi.catalog import catalog_model
 from kvabi.abi.convert import convert
 from kvabi.abi.presets import preset_descriptor
-from kvabi.abi.view_copy import CopyPlan, _spec
-from kvabi.native.cpu_kernels import cpu_kernels
+from kvabi.abi.view_copy import CopyPlan, _spec, transpose_spec
+from kvabi.native.cpu_kernels import ISA_TARGETS, cpu_kernels, isa_gap
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no C++ kernels here")
 MODEL = catalog_model("smollm2-135m")
@@ -108,3 +109,60 @@ def test_quantising_rows_equal_the_codec_bit_for_bit(dst_name, overrides, monkey
         want = convert(src, dst_desc)
     for k, w in want.tensors.items():
         assert torch.equal(got.tensors[k].view(torch.uint8), w.view(torch.uint8)), k
+
+
+# ---- transposing copies (vLLM CPU's K^T [D][N] against token-major blocks) ----
+
+
+@pytest.fixture(params=list(ISA_TARGETS))
+def isa_kernels(request):
+    if (why := isa_gap(request.param)) is not None:
+        pytest.skip(f"kernels for {request.param}: {why}")
+    return cpu_kernels(request.param)
+
+
+@pytest.mark.parametrize("tokens,dim", [(16, 64), (128, 64), (16, 32), (16, 48), (20, 40), (7, 5)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_transposing_copy_is_torchs_both_ways(isa_kernels, tokens, dim, dtype):
+    # token-major [blocks, tokens, heads, dim] against [blocks, heads, dim, tokens]: the
+    # tiles of 16 x 32 and 16 x 16 in vector registers, and the element-wise rest
+    gen = torch.Generator().manual_seed(tokens * dim)
+    major = torch.randn(3, tokens, 2, dim, generator=gen).to(dtype)
+    minor = torch.zeros(3, 2, dim, tokens, dtype=dtype)
+    want = minor.clone()
+    want.permute(0, 3, 1, 2).copy_(major)
+    spec = transpose_spec(minor.permute(0, 3, 1, 2), major)
+    assert spec is not None
+    isa_kernels.transpose_views(torch.tensor([spec], dtype=torch.int64))
+    assert torch.equal(minor, want)
+    back = torch.zeros_like(major)
+    spec = transpose_spec(back, minor.permute(0, 3, 1, 2))
+    isa_kernels.transpose_views(torch.tensor([spec], dtype=torch.int64))
+    assert torch.equal(back, major)
+
+
+def test_only_copies_that_transpose_two_byte_elements_get_a_transposing_spec():
+    a = torch.zeros(4, 16, 8, dtype=torch.bfloat16)
+    assert transpose_spec(a, torch.zeros_like(a)) is None  # the same axis contiguous: rows
+    t = torch.zeros(4, 8, 16, dtype=torch.bfloat16).transpose(1, 2)
+    assert transpose_spec(t, a) is not None
+    assert transpose_spec(t.float(), a.float()) is None  # 4-byte elements: torch's copy
+    assert transpose_spec(t, a[:, :8]) is None  # shapes differ
+    six = torch.zeros(2, 2, 2, 2, 2, 2, 2, dtype=torch.bfloat16)
+    assert transpose_spec(six.transpose(5, 6), six) is None  # more outer dims than a spec holds
+
+
+def test_a_reblocking_load_into_vllm_cpu_blocks_is_the_torch_copys(monkeypatch):
+    # 16-token NHD blocks into vLLM CPU's 128-token blocks (K^T) and back, through `convert`
+    src = _random("vllm-flash-attn", 16, seed=3)
+    vec = preset_descriptor("vllm-cpu-vec", MODEL, dtype="bf16", block_size=128)
+    table = [5, 2]
+    with monkeypatch.context() as m:
+        m.setattr(view_copy_module, "cpu_kernels", lambda: None)  # torch's copies
+        want = convert(src, vec, num_tokens=256, dst_block_ids=table,
+                       out=CacheBuffers.empty(vec, 6, "zeros"))  # fmt: skip
+    got = convert(src, vec, num_tokens=256, dst_block_ids=table,
+                  out=CacheBuffers.empty(vec, 6, "zeros"))  # fmt: skip
+    assert all(torch.equal(got.tensors[k], want.tensors[k]) for k in want.tensors)
+    back = convert(got, src.desc, num_tokens=256, src_block_ids=table)
+    assert all(torch.equal(back.tensors[k], src.tensors[k]) for k in src.tensors)
