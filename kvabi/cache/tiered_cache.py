@@ -33,6 +33,7 @@ from kvabi.cache.tier import KVTier
 from kvabi.cache.tier_config import TierConfig
 from kvabi.cache.tier_writer import TierWriter
 from kvabi.wire.entries import EntryShape, entry_shape, rows_cache, verify_rows
+from kvabi.wire.row_arena import ROWS
 
 log = logging.getLogger("kvabi.cache")
 Plan = list[tuple[KVTier, BlockKey]]
@@ -221,7 +222,7 @@ class TieredCache:
     ) -> tuple[int, np.ndarray]:
         """Read `run`'s entries into the rows of one array and verify them all at once; how
         many leading ones are verified, and the array."""
-        rows = np.empty((len(run), shape.size), dtype=np.uint8)
+        rows = ROWS.rows(len(run), shape.size)  # reused memory: no page faults
         hashes = [k.block_hash for k in run]
         k = tier.read_rows(hashes, rows)
         return verify_rows(shape, rows[:k], [key.token_ids for key in run], hashes), rows

@@ -42,6 +42,7 @@ from kvabi.wire.container_format import (
     section_layouts,
 )
 from kvabi.wire.container_writer import container_bytes
+from kvabi.wire.row_arena import ROWS
 
 
 @dataclass(frozen=True, eq=False)
@@ -154,7 +155,7 @@ def write_entries(
 def entry_rows(shape: EntryShape, n: int) -> tuple[np.ndarray, CacheBuffers]:
     """Room for `n` entries, and their blocks as views into it (B over the entries), for a
     copy or a conversion to write the blocks into before `seal_entries`."""
-    rows = np.empty((n, shape.size), dtype=np.uint8)
+    rows = ROWS.rows(n, shape.size)
     return rows, CacheBuffers(shape.desc, _buffer_views(shape, rows))
 
 
@@ -195,7 +196,7 @@ def read_entries(
         if entry is None or len(entry) != shape.size:
             break
         n += 1
-    rows = np.empty((n, shape.size), dtype=np.uint8)
+    rows = ROWS.rows(n, shape.size)
     for i in range(n):
         rows[i] = np.frombuffer(entries[i], dtype=np.uint8)
     return read_rows(shape, rows, token_ids, block_hashes)
