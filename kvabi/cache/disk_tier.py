@@ -24,6 +24,7 @@ import torch
 from kvabi.abi.block_hash import HASH_BYTES
 from kvabi.cache.tier import KVTier
 from kvabi.native.cpu_kernels import cpu_kernels
+from kvabi.wire.entries import RowSums
 
 SUFFIX = ".kvabi"
 
@@ -86,9 +87,12 @@ class DiskTier(KVTier):
                 self._num_bytes -= size
         self._unlink([block_hash])
 
-    def _read_rows(self, block_hashes: Sequence[bytes], rows: np.ndarray) -> int:
+    def _read_rows(
+        self, block_hashes: Sequence[bytes], rows: np.ndarray, sums: RowSums | None
+    ) -> int:
         """Each file read straight into its row (no bytes object: no copy, no fresh pages); by
-        the kernels where built, all of them in one call, on every thread, without the GIL."""
+        the kernels where built, all of them in one call, on every thread, without the GIL,
+        each file's checksums (`sums`) taken right after it is read, while in cache."""
         size, hashes = rows.shape[1], []
         with self._lock:
             for block_hash in block_hashes[: len(rows)]:
@@ -100,7 +104,10 @@ class DiskTier(KVTier):
         if kernels is None or not kernels.reads_files or not rows.flags.c_contiguous:
             return self._read_each(hashes, rows)
         paths = [str(self.path(h)) for h in hashes]
-        got = kernels.read_files(paths, rows, time.time_ns(), torch.get_num_threads())
+        spans = sums.spans if sums is not None else None
+        got, taken = kernels.read_files(paths, rows, time.time_ns(), torch.get_num_threads(), spans)
+        if sums is not None:
+            sums.out = taken
         n = 0
         for block_hash, g in zip(hashes, got, strict=True):
             if g < 0:  # evicted or deleted under us: a miss

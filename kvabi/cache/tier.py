@@ -28,6 +28,8 @@ from typing import TypeVar
 
 import numpy as np
 
+from kvabi.wire.entries import RowSums
+
 log = logging.getLogger("kvabi.cache")
 T = TypeVar("T")
 
@@ -104,12 +106,19 @@ class KVTier(ABC):
         absent: list[bytes | None] = [None] * len(block_hashes)
         return self._guard(lambda: self._get_many(block_hashes), absent) if absent else []
 
-    def read_rows(self, block_hashes: Sequence[bytes], rows: np.ndarray) -> int:
+    def read_rows(
+        self, block_hashes: Sequence[bytes], rows: np.ndarray, sums: RowSums | None = None
+    ) -> int:
         """Read the leading entries of `block_hashes` that are exactly `rows.shape[1]` bytes
-        long into the rows of `rows` (unverified; their LRU positions refreshed); how many."""
-        return self._guard(lambda: self._read_rows(block_hashes, rows), 0) if block_hashes else 0
+        long into the rows of `rows` (unverified; their LRU positions refreshed); how many.
+        A tier that can take the entries' checksums as it reads them fills `sums.out`."""
+        if not block_hashes:
+            return 0
+        return self._guard(lambda: self._read_rows(block_hashes, rows, sums), 0)
 
-    def _read_rows(self, block_hashes: Sequence[bytes], rows: np.ndarray) -> int:
+    def _read_rows(
+        self, block_hashes: Sequence[bytes], rows: np.ndarray, sums: RowSums | None
+    ) -> int:
         """A tier that reads into memory of its own copies each entry over (Redis); the disk
         tier reads straight into the rows."""
         n = 0

@@ -32,7 +32,7 @@ from kvabi.cache.kv_storage import KVStorage
 from kvabi.cache.tier import KVTier
 from kvabi.cache.tier_config import TierConfig
 from kvabi.cache.tier_writer import TierWriter
-from kvabi.wire.entries import EntryShape, entry_shape, rows_cache, verify_rows
+from kvabi.wire.entries import EntryShape, RowSums, entry_shape, rows_cache, verify_rows
 from kvabi.wire.row_arena import ROWS
 
 log = logging.getLogger("kvabi.cache")
@@ -223,9 +223,10 @@ class TieredCache:
         """Read `run`'s entries into the rows of one array and verify them all at once; how
         many leading ones are verified, and the array."""
         rows = ROWS.rows(len(run), shape.size)  # reused memory: no page faults
-        hashes = [k.block_hash for k in run]
-        k = tier.read_rows(hashes, rows)
-        return verify_rows(shape, rows[:k], [key.token_ids for key in run], hashes), rows
+        hashes, sums = [k.block_hash for k in run], RowSums(shape.sum_spans)
+        k = tier.read_rows(hashes, rows, sums)  # the disk tier sums each file as it reads it
+        ids = [key.token_ids for key in run]
+        return verify_rows(shape, rows[:k], ids, hashes, sums.out), rows
 
     def _decode(self, tier: KVTier, key: BlockKey, entry: bytes | None) -> CacheBuffers | None:
         if entry is None:

@@ -58,6 +58,8 @@ from kvabi.interop.vllm_cache import (
     store_ratio,
     write_sequence,
 )
+from kvabi.native.cpu_kernels import cpu_kernels
+from kvabi.wire.entries import entry_shape
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +155,7 @@ class KvabiConnector(KVConnectorBase_V1):
         self._cache: CacheBuffers | None = None
         self._encoded: list[tuple[bytes, np.ndarray]] = []
         self.stats = TransferStats()
+        entry_shape(self.store), cpu_kernels()  # built now, not in the first request's TTFT
 
     # ---- scheduler side ----
 

@@ -1365,42 +1365,6 @@ int kvabi_prefill_attention(const void* q, int64_t q_stride, const void* k, int6
 #endif
 }
 
-#if defined(__linux__)
-// The disk tier's bulk read (kvabi/cache/disk_tier.py), called without the GIL: file i of
-// `count` (NUL-terminated paths) read into dst + i * size, at most `size` bytes, and stamped
-// with `now_ns` (access and modification time: the tier's LRU order lives in them). got[i]:
-// the bytes read, or -errno where the file could not be opened or read. Files are shared out
-// over `num_threads` threads; every file is attempted (the caller takes the leading ones).
-int kvabi_read_files(const char* const* paths, int64_t count, uint8_t* dst, int64_t size,
-                     int64_t now_ns, int64_t* got, int num_threads) {
-  if (count < 0 || size < 1) return -1;
-  const struct timespec now[2] = {{now_ns / 1000000000, now_ns % 1000000000},
-                                  {now_ns / 1000000000, now_ns % 1000000000}};
-#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (count > 1)
-  for (int64_t i = 0; i < count; ++i) {
-    const int fd = open(paths[i], O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-      got[i] = -errno;
-      continue;
-    }
-    uint8_t* out = dst + i * size;
-    int64_t n = 0;
-    while (n < size) {
-      const ssize_t r = read(fd, out + n, static_cast<size_t>(size - n));
-      if (r < 0 && errno == EINTR) continue;
-      if (r <= 0) {
-        n = r < 0 ? -errno : n;
-        break;
-      }
-      n += r;
-    }
-    if (n >= 0) futimens(fd, now);
-    close(fd);
-    got[i] = n;
-  }
-  return 0;
-}
-#endif
 }
 
 namespace {
@@ -1592,6 +1556,37 @@ uint64_t xxh3_64_pair(const uint8_t* a, int64_t alen, const uint8_t* b, int64_t 
   for (; len - at > kBlock; at += kBlock) acc.round(in + at);
   return acc.finish(in + at, len - at, b + blen - kStripe, static_cast<uint64_t>(total));
 }
+
+// Where a tier entry's checksums lie (kvabi/wire/entries.py `EntryShape`): the meta checksum
+// over bytes [0, meta_len); section j's over its `head_len` header bytes at heads[j], then its
+// payload_lens[j] payload bytes at payloads[j]; the end checksum over the section checksums.
+struct EntrySpans {
+  int64_t meta_len, sections, head_len;
+  const int64_t *heads, *payloads, *payload_lens;
+};
+
+bool spans_fit(const EntrySpans& sp, int64_t size) {
+  if (sp.sections < 0 || sp.head_len < 0 || sp.head_len > kBlock || sp.meta_len < 0 ||
+      sp.meta_len > size)
+    return false;
+  for (int64_t j = 0; j < sp.sections; ++j)
+    if (sp.heads[j] < 0 || sp.heads[j] + sp.head_len > size || sp.payloads[j] < 0 ||
+        sp.payload_lens[j] < 0 || sp.payloads[j] + sp.payload_lens[j] > size)
+      return false;
+  return true;
+}
+
+// checksum j of an entry's row: 0 the meta, 1 + k section k's
+inline uint64_t span_checksum(const uint8_t* row, const EntrySpans& sp, int64_t j) {
+  if (j == 0) return xxh3_64(row, sp.meta_len);
+  return xxh3_64_pair(row + sp.heads[j - 1], sp.head_len, row + sp.payloads[j - 1],
+                      sp.payload_lens[j - 1]);
+}
+
+// the end checksum, over the little-endian section checksums sums[1..sections]
+inline void seal_sum(uint64_t* sums, int64_t sections) {
+  sums[sections + 1] = xxh3_64(reinterpret_cast<const uint8_t*>(sums + 1), 8 * sections);
+}
 }  // namespace
 
 extern "C" {
@@ -1604,31 +1599,63 @@ uint64_t kvabi_xxh3_64(const void* data, int64_t len) {
 // entry, out[i][0] over bytes [0, meta_len), out[i][1 + j] over section j's `head_len` header
 // bytes at heads[j] then its payload_lens[j] bytes at payloads[j], out[i][sections + 1] over
 // those section checksums (little-endian u64 each). Items shared out over `num_threads`.
-int kvabi_entry_checksums(const uint8_t* rows, int64_t n, int64_t size, int64_t meta_len,
-                          const int64_t* heads, const int64_t* payloads,
-                          const int64_t* payload_lens, int64_t sections, int64_t head_len,
+int kvabi_entry_checksums(const uint8_t* rows, int64_t n, int64_t size, const EntrySpans* spans,
                           uint64_t* out, int num_threads) {
-  if (n < 0 || sections < 0 || head_len < 0 || head_len > kBlock || meta_len < 0 ||
-      meta_len > size)
-    return -1;
-  for (int64_t j = 0; j < sections; ++j)
-    if (heads[j] < 0 || heads[j] + head_len > size || payloads[j] < 0 || payload_lens[j] < 0 ||
-        payloads[j] + payload_lens[j] > size)
-      return -1;
-  const int64_t width = sections + 2, items = n * (sections + 1);
+  if (n < 0 || !spans_fit(*spans, size)) return -1;
+  const int64_t sections = spans->sections, width = sections + 2, items = n * (sections + 1);
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 4) if (items > 8)
   for (int64_t item = 0; item < items; ++item) {
     const int64_t i = item / (sections + 1), j = item % (sections + 1);
-    const uint8_t* row = rows + i * size;
-    out[i * width + j] = j == 0 ? xxh3_64(row, meta_len)
-                                : xxh3_64_pair(row + heads[j - 1], head_len,
-                                               row + payloads[j - 1], payload_lens[j - 1]);
+    out[i * width + j] = span_checksum(rows + i * size, *spans, j);
   }
-  for (int64_t i = 0; i < n; ++i)  // little-endian u64s: the bytes of out[i][1..sections]
-    out[i * width + sections + 1] =
-        xxh3_64(reinterpret_cast<const uint8_t*>(out + i * width + 1), 8 * sections);
+  for (int64_t i = 0; i < n; ++i) seal_sum(out + i * width, sections);
   return 0;
 }
+
+#if defined(__linux__)
+// The disk tier's bulk read (kvabi/cache/disk_tier.py), called without the GIL: file i of
+// `count` (NUL-terminated paths) read into dst + i * size, at most `size` bytes, and stamped
+// with `now_ns` (access and modification time: the tier's LRU order lives in them). got[i]:
+// the bytes read, or -errno where the file could not be opened or read. With `spans`, a file
+// read whole is checksummed as an entry (kvabi_entry_checksums) into sums[i] at once, while
+// its bytes are still in this core's cache. Files are shared out over `num_threads` threads;
+// every file is attempted (the caller takes the leading ones).
+int kvabi_read_files(const char* const* paths, int64_t count, uint8_t* dst, int64_t size,
+                     int64_t now_ns, int64_t* got, const EntrySpans* spans, uint64_t* sums,
+                     int num_threads) {
+  if (count < 0 || size < 1 || (spans != nullptr && !spans_fit(*spans, size))) return -1;
+  const struct timespec now[2] = {{now_ns / 1000000000, now_ns % 1000000000},
+                                  {now_ns / 1000000000, now_ns % 1000000000}};
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (count > 1)
+  for (int64_t i = 0; i < count; ++i) {
+    const int fd = open(paths[i], O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      got[i] = -errno;
+      continue;
+    }
+    uint8_t* out = dst + i * size;
+    int64_t n = 0;
+    while (n < size) {
+      const ssize_t r = read(fd, out + n, static_cast<size_t>(size - n));
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) {
+        n = r < 0 ? -errno : n;
+        break;
+      }
+      n += r;
+    }
+    if (n >= 0) futimens(fd, now);
+    close(fd);
+    got[i] = n;
+    if (spans != nullptr && n == size) {
+      uint64_t* row_sums = sums + i * (spans->sections + 2);
+      for (int64_t j = 0; j <= spans->sections; ++j) row_sums[j] = span_checksum(out, *spans, j);
+      seal_sum(row_sums, spans->sections);
+    }
+  }
+  return 0;
+}
+#endif
 }
 
 namespace {

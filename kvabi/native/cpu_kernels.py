@@ -105,6 +105,24 @@ def _build(isa: str = "native") -> Path:
     return target
 
 
+class EntrySpans(ctypes.Structure):
+    """Mirrors `EntrySpans` in cpu_kernels.cpp: where a tier entry's checksums lie (the meta
+    bytes, each section's header bytes and payload); `of` builds one from offsets."""
+
+    _fields_ = [("meta_len", ctypes.c_int64), ("sections", ctypes.c_int64),
+                ("head_len", ctypes.c_int64), ("heads", ctypes.c_void_p),
+                ("payloads", ctypes.c_void_p), ("payload_lens", ctypes.c_void_p)]  # fmt: skip
+
+    @classmethod
+    def of(cls, meta_len: int, table: np.ndarray, head_len: int) -> EntrySpans:
+        """`table`: int64 `[sections, 3]` of header offset, payload offset, payload length
+        (kept alive by the struct: it points into its columns)."""
+        columns = np.ascontiguousarray(np.asarray(table, dtype=np.int64).reshape(-1, 3).T)
+        spans = cls(meta_len, columns.shape[1], head_len, *(c.ctypes.data for c in columns))
+        spans._columns = columns  # the memory the pointers name
+        return spans
+
+
 class DecodeLayer(ctypes.Structure):
     """Mirrors `DecodeLayer` in cpu_kernels.cpp: one layer's weights and KV pools (pointers)."""
 
@@ -177,7 +195,7 @@ class CpuKernels:
             self._fns[name] = fn
         self._read_files = getattr(lib, "kvabi_read_files", None)  # POSIX builds only
         if self._read_files is not None:
-            self._read_files.argtypes = [ptr, i64, ptr, i64, i64, ptr, c_int]
+            self._read_files.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, c_int]
             self._read_files.restype = c_int
         lib.kvabi_transpose_is_vectorized.restype = c_int
         # whether transposing copies run in AVX-512 registers (else element by element)
@@ -185,7 +203,7 @@ class CpuKernels:
         lib.kvabi_xxh3_64.argtypes, lib.kvabi_xxh3_64.restype = [ptr, i64], ctypes.c_uint64
         self._xxh3 = lib.kvabi_xxh3_64
         self._entry_sums = lib.kvabi_entry_checksums
-        self._entry_sums.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, c_int]
+        self._entry_sums.argtypes = [ptr, i64, i64, ptr, ptr, c_int]
         self._entry_sums.restype = c_int
         lib.kvabi_gemm_init.argtypes, lib.kvabi_gemm_init.restype = [c_int], c_int
         # The packed bf16 GEMM (`gemm_linear`): AMX tiles where built for this CPU and the tile
@@ -226,24 +244,16 @@ class CpuKernels:
             raise ValueError("xxh3_64: contiguous bytes")
         return int(self._xxh3(buf.ctypes.data if len(buf) else None, len(buf)))
 
-    def entry_checksums(
-        self, rows: np.ndarray, meta_len: int, sections: np.ndarray, head_len: int,
-        num_threads: int,
-    ) -> np.ndarray:  # fmt: skip
-        """The checksums of the tier entries in `rows` (uint8 `[n, size]`, C order): per row,
-        over bytes `[0, meta_len)`, over each section's `head_len` header bytes then its
-        payload (`sections`: int64 `[S, 3]` of header offset, payload offset, payload length),
-        and over those section checksums: uint64 `[n, S + 2]`, without the GIL."""
+    def entry_checksums(self, rows: np.ndarray, spans: EntrySpans, num_threads: int) -> np.ndarray:
+        """The checksums of the tier entries in `rows` (uint8 `[n, size]`, C order) where
+        `spans` says (`EntrySpans.of`): uint64 `[n, sections + 2]`, without the GIL."""
         if rows.dtype != np.uint8 or rows.ndim != 2 or not rows.flags.c_contiguous:
             raise ValueError("entry_checksums: rows must be a C-contiguous 2-D uint8 array")
-        table = np.ascontiguousarray(sections, dtype=np.int64).reshape(-1, 3).T.copy()
-        out = np.empty((rows.shape[0], table.shape[1] + 2), dtype=np.uint64)
+        out = np.empty((rows.shape[0], spans.sections + 2), dtype=np.uint64)
         if not rows.shape[0]:
             return out
-        heads, payloads, lens = (table[i].ctypes.data for i in range(3))
-        code = self._entry_sums(rows.ctypes.data, rows.shape[0], rows.shape[1], meta_len, heads,
-                                payloads, lens, table.shape[1], head_len, out.ctypes.data,
-                                num_threads)  # fmt: skip
+        code = self._entry_sums(rows.ctypes.data, rows.shape[0], rows.shape[1],
+                                ctypes.byref(spans), out.ctypes.data, num_threads)  # fmt: skip
         if code != 0:
             raise ValueError(f"entry_checksums: a span lies outside the {rows.shape[1]}-byte rows")
         return out
@@ -254,25 +264,31 @@ class CpuKernels:
         return self._read_files is not None
 
     def read_files(
-        self, paths: Sequence[str], rows: np.ndarray, now_ns: int, num_threads: int
-    ) -> list[int]:
+        self, paths: Sequence[str], rows: np.ndarray, now_ns: int, num_threads: int,
+        spans: EntrySpans | None = None,
+    ) -> tuple[list[int], np.ndarray | None]:  # fmt: skip
         """Read file i of `paths` into row i of `rows` (uint8 `[>= len(paths), size]`, C
         order), at most `size` bytes each, with the GIL released; stamp each with `now_ns`.
-        Per file: the bytes read, or -errno where it could not be opened or read."""
+        Per file: the bytes read, or -errno where it could not be opened or read. With
+        `spans`, also each whole file's entry checksums (`entry_checksums`), taken as it is
+        read (rows of a file cut short are left unset)."""
         if rows.dtype != np.uint8 or rows.ndim != 2 or not rows.flags.c_contiguous:
             raise ValueError("read_files: rows must be a C-contiguous 2-D uint8 array")
         if len(paths) > len(rows):
             raise ValueError(f"read_files: {len(paths)} files for {len(rows)} rows")
+        sums = np.empty((len(paths), spans.sections + 2), dtype=np.uint64) if spans else None
         if not paths:
-            return []
+            return [], sums
         names = [os.fsencode(p) for p in paths]
         c_paths = (ctypes.c_char_p * len(names))(*names)
         got = (ctypes.c_int64 * len(names))()
         code = self._read_files(c_paths, len(names), rows.ctypes.data, rows.shape[1], now_ns,
-                                got, num_threads)  # fmt: skip
+                                got, ctypes.byref(spans) if spans else None,
+                                sums.ctypes.data if sums is not None else None,
+                                num_threads)  # fmt: skip
         if code != 0:
-            raise RuntimeError(f"kvabi_read_files failed with code {code}")
-        return list(got)
+            raise ValueError(f"kvabi_read_files: a span lies outside the {rows.shape[1]}-byte rows")
+        return list(got), sums
 
     @staticmethod
     def paged_decode_gap(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:

@@ -28,7 +28,7 @@ import xxhash
 
 from kvabi.abi.buffers import CacheBuffers, buffer_specs
 from kvabi.abi.descriptor import Descriptor
-from kvabi.native.cpu_kernels import cpu_kernels
+from kvabi.native.cpu_kernels import EntrySpans, cpu_kernels
 from kvabi.wire.container_format import (
     CHECKSUM_BYTES,
     END,
@@ -69,7 +69,7 @@ class EntryShape:
     fixed_values: np.ndarray  # uint8: the template's bytes there
     sums: np.ndarray  # int64 [sections + 2, 8]: where the meta, section and end checksums go
     spans: tuple[tuple[slice, slice], ...]  # per section: the header bytes and payload summed
-    section_table: np.ndarray  # int64 [sections, 3]: header, payload offset, payload length
+    sum_spans: EntrySpans  # the same for the kernels
 
     @property
     def block_size(self) -> int:
@@ -131,9 +131,11 @@ def entry_shape(desc: Descriptor) -> EntryShape | None:
             )
             for s in sections
         ),  # fmt: skip
-        section_table=np.asarray(
-            [(s.head_at, s.payload_at, s.payload_len) for s in sections], dtype=np.int64
-        ).reshape(-1, 3),
+        sum_spans=EntrySpans.of(
+            meta_sum_at,
+            np.asarray([(s.head_at, s.payload_at, s.payload_len) for s in sections]),
+            SECTION_HEAD_CHECKED,
+        ),
     )
 
 
@@ -212,13 +214,23 @@ def read_rows(
     return (n, rows_cache(shape, rows[:n])) if n else (0, None)
 
 
+@dataclass
+class RowSums:
+    """The checksums a tier may take while it reads entries into rows (`KVTier.read_rows`):
+    where they lie, and what it took (`[n, sections + 2]`; None where it took none)."""
+
+    spans: EntrySpans
+    out: np.ndarray | None = None
+
+
 def verify_rows(
     shape: EntryShape, rows: np.ndarray, token_ids: Sequence[Sequence[int]],
-    block_hashes: Sequence[bytes],
+    block_hashes: Sequence[bytes], sums: np.ndarray | None = None,
 ) -> int:  # fmt: skip
     """How many leading rows of `rows` are verified entries of `shape.desc` holding exactly
     block i's tokens and hash: every fixed byte, the identity, every checksum (all rows at
-    once: the checksums by the kernels where built, without the GIL)."""
+    once: the checksums by the kernels where built, without the GIL; or `sums`, the rows'
+    checksums as the tier took them while it read them)."""
     n = 0
     for ids, block_hash in zip(token_ids, block_hashes[: len(rows)], strict=False):
         if len(ids) != shape.block_size or len(block_hash) != HASH_BYTES:
@@ -233,7 +245,8 @@ def verify_rows(
     stored_ids = rows[:, shape.tokens_at : shape.hashes_at].view("<u4").astype(np.int64)
     ok &= (stored_ids == np.asarray(token_ids[:n], dtype=np.int64)).all(axis=1)
     stored = np.ascontiguousarray(rows[:, shape.sums]).reshape(n, -1).view("<u8")
-    ok &= (stored == entry_checksums(shape, rows)).all(axis=1)
+    sums = sums[:n] if sums is not None and len(sums) >= n else entry_checksums(shape, rows)
+    ok &= (stored == sums).all(axis=1)
     return n if ok.all() else int(np.argmin(ok))
 
 
@@ -242,8 +255,7 @@ def entry_checksums(shape: EntryShape, rows: np.ndarray) -> np.ndarray:
     stored checksum fields ignored): uint64 `[n, sections + 2]`."""
     kernels = cpu_kernels()
     if kernels is not None and rows.flags.c_contiguous:
-        return kernels.entry_checksums(rows, shape.meta_sum_at, shape.section_table,
-                                       SECTION_HEAD_CHECKED, torch.get_num_threads())  # fmt: skip
+        return kernels.entry_checksums(rows, shape.sum_spans, torch.get_num_threads())
     sums = np.empty((len(rows), len(shape.sections) + 2), dtype="<u8")
     for i, raw in enumerate(rows):
         sums[i] = _checksums(shape, raw)

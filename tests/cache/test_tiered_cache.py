@@ -16,6 +16,7 @@ from kvabi.cache.kv_storage import KVStorage
 from kvabi.cache.tier_config import TierConfig
 from kvabi.cache.tier_writer import TierWriter
 from kvabi.wire import ChecksumError, FormatError, TruncatedError
+from kvabi.wire.entries import entry_shape
 
 MODEL = ModelSpec((LayerSpec(ATTN, 2, 8, 8),) * 2, "tiny")
 DESC = preset_descriptor("vllm-flash-attn", MODEL, block_size=4, dtype="f32")
@@ -163,6 +164,30 @@ def test_a_corrupt_entry_is_a_miss_removed_and_the_load_stops_before_it(tmp_path
     assert disk.contains_many([k.block_hash for k in keys]) == [True, False, True]
     assert (disk.stats.corrupt, disk.stats.hit_tokens) == (1, 4)
     assert cache.num_pooled([k.block_hash for k in keys]) == 1
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_a_payload_byte_flipped_on_disk_is_caught_by_its_checksum(tmp_path, kernels, monkeypatch):
+    # only the section checksum can see it: the sums the disk tier takes while it reads the
+    # file (the kernels), or those the verifier takes itself (no kernels)
+    if not kernels:
+        monkeypatch.setattr("kvabi.cache.disk_tier.cpu_kernels", lambda: None)
+        monkeypatch.setattr("kvabi.wire.entries.cpu_kernels", lambda: None)
+    cache = KVCache(DESC, 6, tiers=TierConfig(disk_dir=str(tmp_path)))
+    fill(cache.storage, seed=1)
+    keys = cache.hasher.keys(TOKENS)
+    write_chain(cache, keys)
+    cache.pool.drop_cached()
+    disk = cache.tiers.tier("disk")
+    shape = entry_shape(DESC)
+    path = disk.path(keys[2].block_hash)
+    at = shape.sections[0].payload_at + 3
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x40
+    path.write_bytes(bytes(data))
+    assert cache.held(keys) == 2  # blocks 0 and 1: the chain breaks at block 2
+    assert disk.contains_many([k.block_hash for k in keys]) == [True, True, False]
+    assert disk.stats.corrupt == 1
 
 
 def test_a_host_block_held_under_other_tokens_is_refused_and_removed():

@@ -73,7 +73,7 @@ def test_a_read_from_disk_runs_off_the_step_while_others_decode(tmp_path, refere
     disk, gate = engine.cache.tiers.tier("disk"), threading.Event()
     read, read_rows = disk._get_many, disk._read_rows  # a slow disk, either way it is read
     disk._get_many = lambda hashes: (gate.wait(30), read(hashes))[1]
-    disk._read_rows = lambda hashes, rows: (gate.wait(30), read_rows(hashes, rows))[1]
+    disk._read_rows = lambda hashes, rows, sums: (gate.wait(30), read_rows(hashes, rows, sums))[1]
     long = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     other = engine.add_request(list(range(200, 206)), long)
     acc, done = OutputAccumulator(), {}

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvabi.native.cpu_kernels import ISA_TARGETS, cpu_kernels, isa_gap, kernel_status
-from kvabi.wire.container_format import SECTION_HEAD_CHECKED
+from kvabi.native.cpu_kernels import ISA_TARGETS, EntrySpans, cpu_kernels, isa_gap, kernel_status
 from kvabi.wire.entries import _checksums, entry_checksums, entry_shape, write_entries
 from tests.wire.test_entries import CASES, _keys, filled
 
@@ -41,7 +40,7 @@ def test_a_section_sum_is_the_hash_of_its_header_then_payload_at_every_size(kern
     rows = RNG.integers(0, 256, (3, 6000), dtype=np.uint8)
     sections = [(0, 100, length) for length in (0, 1, 200, 224, 225, 1008, 2032, 2033, 3000)]
     sections += [(5000, 16, 4000), (40, 40, 5)]  # a payload before its header; overlapping
-    got = kernels.entry_checksums(rows, 77, np.asarray(sections), 16, 2)
+    got = kernels.entry_checksums(rows, EntrySpans.of(77, np.asarray(sections), 16), 2)
     for i, row in enumerate(rows):
         data = row.tobytes()
         want = [xxhash.xxh3_64_intdigest(data[:77])]
@@ -59,8 +58,7 @@ def test_entry_checksums_are_the_one_entry_paths(kernels, name, monkeypatch):
     entries = write_entries(shape, filled(desc, len(hashes)), ids, hashes)
     rows = np.stack([np.frombuffer(e, dtype=np.uint8) for e in entries])
     want = np.stack([_checksums(shape, r) for r in rows])
-    got = kernels.entry_checksums(rows, shape.meta_sum_at, shape.section_table,
-                                  SECTION_HEAD_CHECKED, 2)  # fmt: skip
+    got = kernels.entry_checksums(rows, shape.sum_spans, 2)
     assert np.array_equal(got, want)
     stored = np.ascontiguousarray(rows[:, shape.sums]).reshape(len(rows), -1).view("<u8")
     assert np.array_equal(stored, want)  # what the writer sealed them with
@@ -72,4 +70,21 @@ def test_a_section_outside_the_rows_is_refused(kernels):
     rows = np.zeros((2, 100), dtype=np.uint8)
     for sections, meta in (([(0, 90, 11)], 10), ([(95, 0, 10)], 10), ([(0, 0, 10)], 101)):
         with pytest.raises(ValueError, match="outside"):
-            kernels.entry_checksums(rows, meta, np.asarray(sections), 16, 1)
+            kernels.entry_checksums(rows, EntrySpans.of(meta, np.asarray(sections), 16), 1)
+
+
+def test_a_files_sums_taken_as_it_is_read_are_the_entrys(kernels, tmp_path):
+    desc = CASES[sorted(CASES)[0]]
+    shape = entry_shape(desc)
+    ids, hashes = _keys(desc)
+    entries = write_entries(shape, filled(desc, len(hashes)), ids, hashes)
+    paths = []
+    for i, entry in enumerate(entries):
+        paths.append(tmp_path / f"{i}.kvabi")
+        paths[-1].write_bytes(entry)
+    paths[-1].write_bytes(bytes(entries[-1])[:-1])  # cut short: read, not summed
+    rows = np.zeros((len(paths), shape.size), dtype=np.uint8)
+    got, sums = kernels.read_files([str(p) for p in paths], rows, 0, 2, shape.sum_spans)
+    assert got == [shape.size] * (len(paths) - 1) + [shape.size - 1]
+    want = np.stack([_checksums(shape, np.frombuffer(e, dtype=np.uint8)) for e in entries])
+    assert np.array_equal(sums[:-1], want[:-1])
