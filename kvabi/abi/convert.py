@@ -20,6 +20,7 @@ from kvabi.abi.compat import check_compatible
 from kvabi.abi.descriptor import ATTN, Descriptor, Layout, Plane
 from kvabi.abi.errors import IncompatibleError
 from kvabi.abi.reblock import Run, plan_runs, reblocked_pairs
+from kvabi.abi.reblock_plan import reblock_plan
 from kvabi.abi.rope import permute_pairing
 from kvabi.abi.sidecar import copy_sidecars
 from kvabi.abi.tiled_view import (
@@ -210,6 +211,9 @@ def reshard(
         return outs
     maps: dict[tuple[int, int], tuple[SlotMap, SlotMap]] = {}
     runs = _reblock_runs(srcs, outs[0], num_tokens, src_block_ids, dst_block_ids)
+    if runs is not None and layer_ids is None and (plan := reblock_plan(srcs[0], outs[0])):
+        plan.run(srcs[0], outs[0], runs)  # every layer's copies, offsets worked out once
+        return outs
     reblocked: list[tuple[torch.Tensor, torch.Tensor]] = []  # copied after the layer loop
     for layer_id in layers:
         src_views = [group_views(s.desc, s.tensors, layer_id) for s in srcs]

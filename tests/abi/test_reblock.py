@@ -7,10 +7,12 @@ import pytest
 import torch
 
 from kvabi.abi import convert as convert_module
+from kvabi.abi import reblock_plan as reblock_plan_module
 from kvabi.abi.convert import convert
 from kvabi.abi.descriptor import ATTN, LayerSpec, ModelSpec
 from kvabi.abi.presets import preset_descriptor
 from kvabi.abi.reblock import plan_runs
+from kvabi.native.cpu_kernels import cpu_kernels
 from tests.abi.test_convert import _filled
 
 
@@ -29,18 +31,27 @@ def test_runs_merge_units_that_follow_on_both_sides():
 
 
 @pytest.mark.parametrize(
-    ("src", "s_bs", "dst", "d_bs"),
+    ("src", "s_bs", "dst", "d_bs", "dtype"),
     [
-        ("vllm-flash-attn-hnd", 4, "vllm-flash-attn", 8),
-        ("vllm-flash-attn", 8, "sglang-mha-hnd", 2),
-        ("trtllm", 4, "vllm-flashinfer", 16),
+        ("vllm-flash-attn-hnd", 4, "vllm-flash-attn", 8, None),
+        ("vllm-flash-attn", 8, "sglang-mha-hnd", 2, None),
+        ("trtllm", 4, "vllm-flashinfer", 16, None),
+        ("vllm-flash-attn-hnd", 4, "vllm-flash-attn", 8, "bf16"),
+        ("vllm-flash-attn", 16, "vllm-cpu-vec", 32, "bf16"),  # K^T: transposing copies
+        ("vllm-cpu-vec", 32, "vllm-flash-attn", 8, "bf16"),
+        ("vllm-cpu-vec", 32, "vllm-flash-attn", 8, "f32"),
     ],
 )
-def test_one_pass_equals_token_by_token(src, s_bs, dst, d_bs, monkeypatch):
-    model = ModelSpec(tuple(LayerSpec(ATTN, 2, 8, 8) for _ in range(3)), "t")
-    a = _filled(preset_descriptor(src, model, block_size=s_bs), 24, seed=1)
-    dst_desc = preset_descriptor(dst, model, block_size=d_bs)
-    n = 32  # whole blocks of both sizes: units of max(s_bs, d_bs) tokens
+@pytest.mark.parametrize("planned", [True, False])
+def test_one_pass_equals_token_by_token(src, s_bs, dst, d_bs, dtype, planned, monkeypatch):
+    # one pass: copies worked out once per geometry (`ReblockPlan`) or view by view
+    if not planned:
+        monkeypatch.setattr(reblock_plan_module, "cpu_kernels", lambda: None)
+    model = ModelSpec(tuple(LayerSpec(ATTN, 2, 16, 16) for _ in range(3)), "t")
+    kw = {"dtype": dtype} if dtype else {}
+    a = _filled(preset_descriptor(src, model, block_size=s_bs, **kw), 24, seed=1)
+    dst_desc = preset_descriptor(dst, model, block_size=d_bs, **kw)
+    n = 2 * max(s_bs, d_bs)  # whole blocks of both sizes: units of max(s_bs, d_bs) tokens
     r, units = max(s_bs, d_bs) // min(s_bs, d_bs), [1, 0, 3, 2][: n // max(s_bs, d_bs)]
     small = [u * r + i + 2 for u in units for i in range(r)]  # consecutive within each unit
     big = [5, 0, 3, 1][: len(units)]  # any blocks: runs only where they follow
@@ -48,6 +59,11 @@ def test_one_pass_equals_token_by_token(src, s_bs, dst, d_bs, monkeypatch):
     args = dict(num_tokens=n, src_block_ids=s_ids, dst_block_ids=d_ids)
     fast = convert(a, dst_desc, **args, out=_filled(dst_desc, 24, seed=2))
     assert convert_module._reblock_runs([a], fast, n, s_ids, d_ids) is not None
+    has_plan = reblock_plan_module.reblock_plan(a, fast) is not None
+    kernels = cpu_kernels()
+    four_byte_transposes = dtype == "f32" and "vllm-cpu-vec" in (src, dst)  # no kernel for those
+    fast_kernels = kernels is not None and kernels.transposes_fast
+    assert has_plan == (planned and fast_kernels and not four_byte_transposes)
     monkeypatch.setattr(convert_module, "_reblock_runs", lambda *_: None)
     slow = convert(a, dst_desc, **args, out=_filled(dst_desc, 24, seed=2))
     for key, t in slow.tensors.items():
