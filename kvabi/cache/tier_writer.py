@@ -3,7 +3,8 @@
 The step loop first reserves room (`reserve`), then hands over a snapshot (a copy of the blocks,
 taken before their memory is reused) and their keys; the thread copies the blocks into the host
 tier's slab, and encodes each block as a container entry once for every other tier that lacks
-it. The queue is bounded in bytes of
+it. Entries encoded elsewhere (vLLM's connector: its worker encodes them) are handed over as
+they are (`submit_entries`) and only written. The queue is bounded in bytes of
 snapshots: blocks beyond the bound are dropped before anything is copied, and counted. A lost
 write-down costs a later recompute, never a wrong answer.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvabi.abi.buffers import CacheBuffers
 from kvabi.cache.block_codec import BlockCodec, narrow_blocks
@@ -20,6 +21,7 @@ from kvabi.cache.block_hasher import BlockKey
 from kvabi.cache.tier import KVTier
 
 _STOP = None
+Entry = bytes | memoryview
 
 
 class TierWriter:
@@ -31,7 +33,7 @@ class TierWriter:
         self.num_dropped_blocks = 0
         self.num_errors = 0
         self._is_closed = False
-        self._queue: queue.Queue[tuple[CacheBuffers, list[BlockKey], int] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[Callable[[], None], int] | None] = queue.Queue()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="kvabi-tier-writer", daemon=True)
         self._thread.start()
@@ -48,7 +50,23 @@ class TierWriter:
 
     def submit(self, blocks: CacheBuffers, keys: list[BlockKey], num_bytes: int) -> None:
         """Queue a snapshot of `len(keys)` blocks whose `num_bytes` were reserved."""
-        self._queue.put((blocks, keys, num_bytes))
+        self._queue.put((lambda: self._write(blocks, keys), num_bytes))
+
+    def submit_entries(
+        self, entries: Sequence[tuple[bytes, Entry]], num_bytes: int,
+        done: Callable[[], None] | None = None,
+    ) -> None:  # fmt: skip
+        """Queue encoded entries, (block hash, entry) each, whose `num_bytes` were reserved:
+        each goes into every tier that lacks it; then `done` runs (written or failed)."""
+
+        def write() -> None:
+            try:
+                self._put_entries(entries)
+            finally:
+                if done is not None:
+                    done()
+
+        self._queue.put((write, num_bytes))
 
     def flush(self) -> None:
         """Wait until everything queued so far is written (tests, benches, shutdown)."""
@@ -68,13 +86,13 @@ class TierWriter:
             try:
                 if item is _STOP:
                     return
-                self._write(item[0], item[1])
+                item[0]()
             except Exception:  # a failed write-down must never stop the thread
                 self.num_errors += 1
             finally:
                 if item is not _STOP:
                     with self._lock:
-                        self.num_queued_bytes -= item[2]
+                        self.num_queued_bytes -= item[1]
                 self._queue.task_done()
 
     def _write(self, blocks: CacheBuffers, keys: list[BlockKey]) -> None:
@@ -96,3 +114,10 @@ class TierWriter:
             for tier, m in zip(tiers, missing, strict=True):
                 if m[i]:
                     tier.put(key.block_hash, entry)
+
+    def _put_entries(self, entries: Sequence[tuple[bytes, Entry]]) -> None:
+        for tier in self.tiers:
+            held = tier.contains_many([h for h, _ in entries])
+            for (block_hash, entry), is_held in zip(entries, held, strict=True):
+                if not is_held:
+                    tier.put(block_hash, entry)

@@ -26,12 +26,16 @@ engine loop, polling meanwhile, would only slow the fetch's thread down (measure
 verified blocks to the worker (in the connector metadata), which converts them into vLLM's
 blocks (preset `vllm-cpu-*` of the layers' ISA) before the forward (a synchronous load).
 After the forward the worker converts the prompt blocks the step completed into the store's
-layout and returns the entries in its step output; the scheduler side writes them down.
+layout and returns the entries in its step output; the scheduler side queues them for its
+writer thread (`TierWriter`: bounded, what does not fit is dropped and counted), so vLLM's loop
+never waits on a disk or Redis; a later prompt that needs blocks still queued waits for them.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -51,6 +55,7 @@ from kvabi.abi.descriptor import Descriptor
 from kvabi.cache.block_codec import BlockCodec, narrow_blocks
 from kvabi.cache.block_hasher import BlockHasher, BlockKey
 from kvabi.cache.tier_config import TierConfig
+from kvabi.cache.tier_writer import TierWriter
 from kvabi.cache.tiered_cache import TieredCache
 from kvabi.interop.vllm_cache import (
     check_block_ids,
@@ -105,7 +110,8 @@ class TransferStats:
     fetch_s: float = 0.0  # tier reads + verification
     num_background_fetches: int = 0  # fetches run off vLLM's scheduling loop
     num_not_yet: int = 0  # times vLLM was told "not known yet" while one ran
-    write_s: float = 0.0  # tier writes
+    write_s: float = 0.0  # queueing entries for the writer thread
+    num_write_dropped: int = 0  # entries the writer's queue had no room for
     num_loaded: int = 0
     num_saved: int = 0
     bytes_loaded: int = 0  # K/V payload bytes
@@ -142,9 +148,14 @@ class KvabiConnector(KVConnectorBase_V1):
         self.ratio = store_ratio(self.block_size, self.store)
         self.hasher = BlockHasher(self.model.compat_digest(), self.store.layout.block_size)
         self.tiers = TieredCache(self.store, [])  # the worker side touches no tier
+        self._writer: TierWriter | None = None  # writes entries down off vLLM's loop
+        self._unwritten: dict[bytes, int] = {}  # block hash -> queued writes of it
+        self._unwritten_lock = threading.Lock()
         if role == KVConnectorRole.SCHEDULER:
             config = TierConfig(disk_dir=extra.get("disk_dir"), redis_url=extra.get("redis_url"))
             self.tiers = TieredCache(self.store, config.build(self.model.compat_digest()))
+            self._writer = TierWriter(self.tiers.tiers, self.codec, config.write_queue_bytes)
+            atexit.register(self._writer.close)  # what is queued is written before exit
         self._requests: dict[str, _Request] = {}
         self._matched: dict[str, CacheBuffers] = {}  # blocks found, waiting for vLLM's
         self.async_fetch = bool(extra.get("async_fetch", True))
@@ -177,7 +188,7 @@ class KvabiConnector(KVConnectorBase_V1):
         elif not wanted:
             return 0, False
         elif self.async_fetch and len(self._requests) > 1:  # others in flight to overlap with
-            if not self.tiers.holds(wanted[:1])[0]:
+            if not self.tiers.holds(wanted[:1])[0] and not self._is_unwritten(wanted[0]):
                 return 0, False  # a miss answers at once
             self._fetching[req_id] = _Fetch(first, self._thread().submit(self._fetch, wanted))
             self.stats.num_background_fetches += 1
@@ -217,6 +228,7 @@ class KvabiConnector(KVConnectorBase_V1):
     def _fetch(self, keys: list[BlockKey]) -> CacheBuffers | None:
         """The verified blocks of the longest leading run of `keys` that some tier holds (a
         bad or foreign entry is removed and ends the run; a tier that is down is a miss)."""
+        self._await_writes(keys)
         start = time.perf_counter()
         found = self.tiers.fetch(keys)
         self.stats.fetch_s += time.perf_counter() - start
@@ -263,13 +275,47 @@ class KvabiConnector(KVConnectorBase_V1):
             state.num_saved = end
 
     def update_connector_output(self, connector_output: Any) -> None:
+        """Queue the entries the worker encoded for the writer thread (vLLM's loop goes on);
+        what the queue cannot hold is dropped and counted (a later recompute)."""
         meta = connector_output.kv_connector_worker_meta
-        if isinstance(meta, KvabiWorkerMetadata):
-            start = time.perf_counter()
-            for block_hash, entry in meta.entries:
-                for tier in self.tiers.tiers:
-                    tier.put(block_hash, memoryview(entry))
-            self.stats.write_s += time.perf_counter() - start
+        if not isinstance(meta, KvabiWorkerMetadata) or not meta.entries:
+            return
+        start = time.perf_counter()
+        entries = [(h, memoryview(e)) for h, e in meta.entries]
+        n = self._writer.reserve(len(entries), len(entries[0][1]))
+        self.stats.num_write_dropped += len(entries) - n
+        if n:
+            hashes = [h for h, _ in entries[:n]]
+            with self._unwritten_lock:
+                for h in hashes:
+                    self._unwritten[h] = self._unwritten.get(h, 0) + 1
+            done = lambda: self._written(hashes)  # noqa: E731 - the writer thread runs it
+            self._writer.submit_entries(entries[:n], n * len(entries[0][1]), done)
+        self.stats.write_s += time.perf_counter() - start
+
+    def _is_unwritten(self, key: BlockKey) -> bool:
+        with self._unwritten_lock:
+            return key.block_hash in self._unwritten
+
+    def _written(self, hashes: list[bytes]) -> None:
+        with self._unwritten_lock:
+            for h in hashes:
+                if self._unwritten[h] == 1:
+                    del self._unwritten[h]
+                else:
+                    self._unwritten[h] -= 1
+
+    def _await_writes(self, keys: list[BlockKey]) -> None:
+        """Wait for queued writes of these blocks (a prompt that follows the one that saved
+        them is read from the tiers, not recomputed)."""
+        with self._unwritten_lock:
+            queued = any(k.block_hash in self._unwritten for k in keys)
+        if queued and self._writer is not None:
+            self._writer.flush()
+
+    def shutdown(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
         self._requests.pop(request.request_id, None)

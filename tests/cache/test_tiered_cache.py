@@ -10,6 +10,7 @@ from kvabi.abi.errors import IncompatibleError
 from kvabi.abi.presets import preset_descriptor
 from kvabi.cache.block_codec import BlockCodec
 from kvabi.cache.block_hasher import BlockKey
+from kvabi.cache.disk_tier import DiskTier
 from kvabi.cache.host_tier import HostTier
 from kvabi.cache.kv_cache import KVCache
 from kvabi.cache.kv_storage import KVStorage
@@ -112,6 +113,24 @@ def test_the_writer_never_blocks_and_drops_what_its_queue_cannot_hold():
     assert (tier.stats.writes, writer.num_queued_bytes, writer.num_dropped_blocks) == (3, 0, 3)
     # 0 was held: not copied again, made most recent (it was just in use in the pool)
     assert tier.lru_order() == [k.block_hash for k in (keys[1], keys[0], keys[3])]
+
+
+def test_encoded_entries_go_to_the_tiers_lacking_them_then_done_runs(tmp_path):
+    disk, host = DiskTier(tmp_path, 1 << 20, "d" * 32), HostTier(1 << 20)
+    codec = BlockCodec(DESC)
+    keys = [BlockKey(bytes([i]) * 32, (i, i, i, i)) for i in range(3)]
+    entries = codec.encode_many(filled_storage().read_blocks([0, 1, 2]), keys)
+    host.put(keys[1].block_hash, entries[1])
+    writer, done = TierWriter([host, disk], codec, max_queued_bytes=1 << 20), []
+    size = len(entries[0])
+    assert writer.reserve(3, size) == 3
+    pairs = [(k.block_hash, e) for k, e in zip(keys, entries, strict=True)]
+    writer.submit_entries(pairs, 3 * size, lambda: done.append(writer.num_queued_bytes))
+    writer.close()
+    assert done == [3 * size]  # after the writes, before the room is given back
+    assert disk.contains_many([k.block_hash for k in keys]) == [True] * 3
+    assert (host.stats.writes, disk.stats.writes, writer.num_queued_bytes) == (3, 3, 0)
+    assert disk.get_many([keys[2].block_hash]) == [bytes(entries[2])]
 
 
 def tiered(num_blocks=6) -> KVCache:
