@@ -8,7 +8,7 @@ Conversion is copying between such views; presets never need code of their own.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import torch
 
@@ -261,3 +261,15 @@ class CacheBuffers:
     @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    @cached_property
+    def geometry(self) -> tuple:
+        """Per buffer: its key, shape (the extent's dim as -1), strides and dtype: what
+        conversions worked out once per geometry depend on (the tensors, once checked here,
+        are never replaced)."""
+        out = []
+        for spec in buffer_specs(self.desc, 1):
+            t, dim = self.tensors[spec.key], spec.dim("B" if self.desc.layout.is_paged else "T")
+            shape = tuple(-1 if d == dim else n for d, n in enumerate(t.shape))
+            out.append((spec.key, shape, t.stride(), t.dtype))
+        return tuple(out)

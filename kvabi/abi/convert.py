@@ -211,8 +211,8 @@ def reshard(
         return outs
     maps: dict[tuple[int, int], tuple[SlotMap, SlotMap]] = {}
     runs = _reblock_runs(srcs, outs[0], num_tokens, src_block_ids, dst_block_ids)
-    if runs is not None and layer_ids is None and (plan := reblock_plan(srcs[0], outs[0])):
-        plan.run(srcs[0], outs[0], runs)  # every layer's copies, offsets worked out once
+    if runs is not None and (plan := reblock_plan(srcs[0], outs[0])):
+        plan.run(srcs[0], outs[0], runs, layer_ids)  # the copies' offsets worked out once
         return outs
     reblocked: list[tuple[torch.Tensor, torch.Tensor]] = []  # copied after the layer loop
     for layer_id in layers:

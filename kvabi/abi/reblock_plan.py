@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvabi.abi.buffers import CacheBuffers, buffer_specs, group_views, owner_layers
+from kvabi.abi.buffers import CacheBuffers, group_views, owner_layers
 from kvabi.abi.reblock import Run, reblocked_pairs
 from kvabi.abi.view_copy import COPY, COPY_DIMS, SPEC_WIDTH, TRANSPOSE_DIMS, TRANSPOSE_WIDTH
 from kvabi.native.cpu_kernels import cpu_kernels
@@ -40,21 +40,26 @@ class _Pairs:
     src_buffer: np.ndarray
     dst_block: np.ndarray  # int64 [pairs]: bytes from one dst block to the next
     src_block: np.ndarray
+    layer: np.ndarray  # int64 [pairs]: the layer each pair moves
     n_col: int  # the spec column holding the units' count (the outermost dim)
 
     def for_runs(
-        self, runs: Sequence[Run], dst_ptrs: np.ndarray, src_ptrs: np.ndarray
+        self, runs: Sequence[Run], dst_ptrs: np.ndarray, src_ptrs: np.ndarray,
+        layer_ids: Sequence[int] | None,
     ) -> np.ndarray:  # fmt: skip
-        """The specs of every pair for every run (first src block, first dst block, units),
-        with absolute addresses."""
-        out = []
+        """The specs of every pair (of `layer_ids`' layers, default all) for every run (first
+        src block, first dst block, units), with absolute addresses."""
+        keep = slice(None) if layer_ids is None else np.isin(self.layer, list(layer_ids))
+        base, out = self.specs[keep], []
+        dst = dst_ptrs[self.dst_buffer[keep]]
+        src = src_ptrs[self.src_buffer[keep]]
         for s, d, n in runs:
-            specs = self.specs.copy()
-            specs[:, 0] += dst_ptrs[self.dst_buffer] + d * self.dst_block
-            specs[:, 1] += src_ptrs[self.src_buffer] + s * self.src_block
+            specs = base.copy()
+            specs[:, 0] += dst + d * self.dst_block[keep]
+            specs[:, 1] += src + s * self.src_block[keep]
             specs[:, self.n_col] = n
             out.append(specs)
-        return np.concatenate(out) if out else self.specs[:0]
+        return np.concatenate(out) if out else base[:0]
 
 
 class ReblockPlan:
@@ -62,12 +67,17 @@ class ReblockPlan:
         self.dst_names, self.src_names = dst_names, src_names
         self.rows, self.transposes = rows, transposes
 
-    def run(self, src: CacheBuffers, out: CacheBuffers, runs: Sequence[Run]) -> None:
+    def run(
+        self, src: CacheBuffers, out: CacheBuffers, runs: Sequence[Run],
+        layer_ids: Sequence[int] | None = None,
+    ) -> None:  # fmt: skip
+        """Move the runs' blocks of `layer_ids`' layers (default all) from `src` into `out`
+        (caches of the plan's geometry)."""
         kernels = cpu_kernels()
         dst_ptrs = np.asarray([out.tensors[k].data_ptr() for k in self.dst_names], np.int64)
         src_ptrs = np.asarray([src.tensors[k].data_ptr() for k in self.src_names], np.int64)
         for pairs, call in ((self.rows, "copy_views"), (self.transposes, "transpose_views")):
-            specs = pairs.for_runs(runs, dst_ptrs, src_ptrs)
+            specs = pairs.for_runs(runs, dst_ptrs, src_ptrs, layer_ids)
             if len(specs):
                 getattr(kernels, call)(torch.from_numpy(np.ascontiguousarray(specs)))
 
@@ -81,21 +91,12 @@ def reblock_plan(src: CacheBuffers, out: CacheBuffers) -> ReblockPlan | None:
     kernels = cpu_kernels()
     if kernels is None or not kernels.transposes_fast:
         return None
-    key = (src.desc, out.desc, _geometry(src), _geometry(out))
+    key = (src.desc, out.desc, src.geometry, out.geometry)
     if key not in _PLANS:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.pop(next(iter(_PLANS)))
         _PLANS[key] = _build(src, out)
     return _PLANS[key]
-
-
-def _geometry(cache: CacheBuffers) -> tuple:
-    """Shapes (the extent's dim aside), strides and dtypes: what a plan depends on."""
-    geometry = []
-    for spec in buffer_specs(cache.desc, 1):
-        t, b = cache.tensors[spec.key], spec.dim("B")
-        geometry.append((spec.key, tuple(t.shape[:b]) + tuple(t.shape[b + 1 :]), t.stride()))
-    return tuple(geometry)
 
 
 def _build(src: CacheBuffers, out: CacheBuffers) -> ReblockPlan | None:
@@ -122,7 +123,7 @@ def _build(src: CacheBuffers, out: CacheBuffers) -> ReblockPlan | None:
                 return None
             kind, spec, d_buf, s_buf = entry
             blocks = (dv.stride(0) * dv.element_size(), sv.stride(0) * sv.element_size())
-            kinds[kind].append((spec, d_buf, s_buf, *blocks))
+            kinds[kind].append((spec, d_buf, s_buf, *blocks, layer_id))
     rows = _pairs(kinds["rows"], SPEC_WIDTH, n_col=3)
     transposes = _pairs(kinds["transposes"], TRANSPOSE_WIDTH, n_col=3)
     return ReblockPlan(dst_names, src_names, rows, transposes)
@@ -181,5 +182,5 @@ def _locate(view: torch.Tensor, buffers) -> tuple[str | None, int]:
 
 def _pairs(entries: list, width: int, n_col: int) -> _Pairs:
     specs = np.asarray([e[0] for e in entries], dtype=np.int64).reshape(-1, width)
-    cols = [np.asarray([e[i] for e in entries], dtype=np.int64) for i in range(1, 5)]
+    cols = [np.asarray([e[i] for e in entries], dtype=np.int64) for i in range(1, 6)]
     return _Pairs(specs, *cols, n_col=n_col)

@@ -68,3 +68,20 @@ def test_one_pass_equals_token_by_token(src, s_bs, dst, d_bs, dtype, planned, mo
     slow = convert(a, dst_desc, **args, out=_filled(dst_desc, 24, seed=2))
     for key, t in slow.tensors.items():
         assert torch.equal(fast.tensors[key], t), key
+
+
+@pytest.mark.parametrize("planned", [True, False])
+def test_some_layers_move_and_the_others_stay(planned, monkeypatch):
+    # a NIXL part's layers, converted while the next part is read: `layer_ids`
+    if not planned:
+        monkeypatch.setattr(reblock_plan_module, "cpu_kernels", lambda: None)
+    model = ModelSpec(tuple(LayerSpec(ATTN, 2, 16, 16) for _ in range(3)), "t")
+    a = _filled(preset_descriptor("vllm-flash-attn-hnd", model, block_size=4, dtype="bf16"), 8, 1)
+    dst_desc = preset_descriptor("vllm-flash-attn", model, block_size=8, dtype="bf16")
+    args = dict(num_tokens=16, src_block_ids=[4, 5, 0, 1], dst_block_ids=[3, 1])
+    whole = convert(a, dst_desc, **args, out=_filled(dst_desc, 4, seed=2))
+    part = convert(a, dst_desc, **args, out=_filled(dst_desc, 4, seed=2), layer_ids=[1])
+    before = _filled(dst_desc, 4, seed=2)
+    for key, t in part.tensors.items():
+        layer = int(key.split(".")[0])
+        assert torch.equal(t, (whole if layer == 1 else before).tensors[key]), key
