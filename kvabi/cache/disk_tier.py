@@ -19,11 +19,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from kvabi.abi.block_hash import HASH_BYTES
 from kvabi.cache.tier import KVTier
-from kvabi.native.cpu_kernels import cpu_kernels
+from kvabi.native.cpu_kernels import cpu_kernels, kernel_threads
 from kvabi.wire.entries import RowSums
 
 SUFFIX = ".kvabi"
@@ -105,7 +104,7 @@ class DiskTier(KVTier):
             return self._read_each(hashes, rows)
         paths = [str(self.path(h)) for h in hashes]
         spans = sums.spans if sums is not None else None
-        got, taken = kernels.read_files(paths, rows, time.time_ns(), torch.get_num_threads(), spans)
+        got, taken = kernels.read_files(paths, rows, time.time_ns(), kernel_threads(), spans)
         if sums is not None:
             sums.out = taken
         n = 0

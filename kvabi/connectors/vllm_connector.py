@@ -24,7 +24,10 @@ request in flight the fetch runs in place: there is nothing to overlap it with, 
 engine loop, polling meanwhile, would only slow the fetch's thread down (measured: a
 2,560-token hit's TTFT 580 ms polled against 101 ms in place, on 2 cores). It hands the
 verified blocks to the worker (in the connector metadata), which converts them into vLLM's
-blocks (preset `vllm-cpu-*` of the layers' ISA) before the forward (a synchronous load).
+blocks (preset `vllm-cpu-*` of the layers' ISA) on its load thread, four layers at a time,
+while the forward runs: each attention layer waits only for its own layer's blocks
+(`LayerLoads`). That is the default where a core is spare for the thread (`async_load`:
+"auto"; true, false); elsewhere they are all placed before the forward.
 After the forward the worker converts the prompt blocks the step completed into the store's
 layout and returns the entries in its step output; the scheduler side queues them for its
 writer thread (`TierWriter`: bounded, what does not fit is dropped and counted), so vLLM's loop
@@ -57,11 +60,11 @@ from kvabi.cache.block_hasher import BlockHasher, BlockKey
 from kvabi.cache.tier_config import TierConfig
 from kvabi.cache.tier_writer import TierWriter
 from kvabi.cache.tiered_cache import TieredCache
+from kvabi.connectors.layer_loads import BlockLoad, LayerLoads, spare_cores
 from kvabi.interop.vllm_cache import (
     check_block_ids,
     kv_caches_to_buffers,
     store_ratio,
-    write_sequence,
 )
 from kvabi.native.cpu_kernels import cpu_kernels
 from kvabi.wire.entries import entry_shape
@@ -116,7 +119,8 @@ class TransferStats:
     num_saved: int = 0
     bytes_loaded: int = 0  # K/V payload bytes
     bytes_saved: int = 0
-    load_s: float = 0.0  # convert into vLLM's blocks
+    load_s: float = 0.0  # convert into vLLM's blocks (on the load thread)
+    load_wait_s: float = 0.0  # the forwards' time waiting for a layer's blocks
     save_s: float = 0.0  # convert out of vLLM's blocks + encode
 
 
@@ -159,6 +163,10 @@ class KvabiConnector(KVConnectorBase_V1):
         self._requests: dict[str, _Request] = {}
         self._matched: dict[str, CacheBuffers] = {}  # blocks found, waiting for vLLM's
         self.async_fetch = bool(extra.get("async_fetch", True))
+        # layer by layer on a thread, beside the forward: where a core is spare for it
+        async_load = extra.get("async_load", "auto")
+        self.async_load = spare_cores() > 0 if async_load == "auto" else bool(async_load)
+        self._layer_loads = LayerLoads()
         self._fetching: dict[str, _Fetch] = {}
         self._fetcher: ThreadPoolExecutor | None = None
         self._loads: list[Load] = []
@@ -316,6 +324,7 @@ class KvabiConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._writer is not None:
             self._writer.close()
+        self._layer_loads.close()
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
         self._requests.pop(request.request_id, None)
@@ -340,23 +349,34 @@ class KvabiConnector(KVConnectorBase_V1):
         return self._cache
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Queue this step's loads on the load thread, layer group by layer group
+        (`LayerLoads`); with `async_load` off, place them all before the forward."""
         meta = self._get_connector_metadata()
-        cache = self._vllm_cache(forward_context)
-        for load in meta.loads:
-            start = time.perf_counter()
-            src = load.blocks  # in the store's layout, blocks 0, 1, ...
-            write_sequence(src, cache, load.block_ids, len(load.block_ids) * self.block_size)
-            self.stats.load_s += time.perf_counter() - start
-            self.stats.num_loaded += src.extent
-            self.stats.bytes_loaded += src.num_bytes
+        cache = self._vllm_cache(forward_context)  # wait_for_save reads it too
+        if not meta.loads:
+            return
+        bs = self.block_size
+        loads = [BlockLoad(ld.block_ids, ld.blocks, len(ld.block_ids) * bs) for ld in meta.loads]
+        self._layer_loads.start(loads, cache, background=self.async_load)
+        for load in loads:
+            self.stats.num_loaded += load.blocks.extent
+            self.stats.bytes_loaded += load.blocks.num_bytes
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
+        """Return once this layer's blocks of the step's loads are placed."""
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        self._layer_loads.wait(extract_layer_index(layer_name))
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any) -> None:
         return None  # whole blocks are encoded once the forward is done (wait_for_save)
 
     def wait_for_save(self) -> None:
+        self._layer_loads.finish()  # every load of the step placed (a layer never waited)
+        self.stats.load_s, self.stats.load_wait_s = (
+            self._layer_loads.load_s,
+            self._layer_loads.wait_s,
+        )
         meta = self._get_connector_metadata()
         for save in meta.saves:
             start = time.perf_counter()

@@ -8,7 +8,8 @@ Job: {"model_dir", "dtype", "store" (the store's descriptor JSON), "prompts" ([{
 "cache_salt": optional}]), "max_tokens", "disk_dir" (or null), "redis_url" (or null),
 "connector" (default true: false runs vLLM alone), "prefix_caching" (vLLM's own; default
 false, so that every cached token a request reports came through the connector), "together"
-(default false: the prompts go to vLLM in one call, all in flight at once, rather than in turn)}.
+(default false: the prompts go to vLLM in one call, all in flight at once, rather than in turn),
+"async_load" (the connector's: "auto", true, false)}.
 The result has each prompt's tokens, cached tokens, wall time and TTFT (from vLLM's request
 metrics), and the worker-side connector's transfer stats.
 """
@@ -33,7 +34,8 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     from vllm.config import KVTransferConfig
 
     start = time.perf_counter()
-    extra = {"store": job["store"], "disk_dir": job["disk_dir"], "redis_url": job["redis_url"]}
+    extra = {"store": job["store"], "disk_dir": job["disk_dir"], "redis_url": job["redis_url"],
+             "async_load": job.get("async_load", "auto")}  # fmt: skip
     config = KVTransferConfig(
         kv_connector="KvabiConnector",
         kv_connector_module_path="kvabi.connectors.vllm_connector",

@@ -81,11 +81,14 @@ def read_sequence(cache: CacheBuffers, block_ids: Sequence[int], num_tokens: int
 
 
 def write_sequence(
-    src: CacheBuffers, cache: CacheBuffers, block_ids: Sequence[int], num_tokens: int
-) -> None:
-    """Place `src`'s first `num_tokens` tokens (any layout of the model) into vLLM's blocks."""
+    src: CacheBuffers, cache: CacheBuffers, block_ids: Sequence[int], num_tokens: int,
+    layer_ids: Sequence[int] | None = None,
+) -> None:  # fmt: skip
+    """Place `src`'s first `num_tokens` tokens (any layout of the model) into vLLM's blocks
+    (`layer_ids`' layers only, if given)."""
     check_block_ids(block_ids)
-    convert(src, cache.desc, num_tokens=num_tokens, dst_block_ids=block_ids, out=cache)
+    convert(src, cache.desc, num_tokens=num_tokens, dst_block_ids=block_ids, out=cache,
+            layer_ids=layer_ids)  # fmt: skip
 
 
 def needed_blocks(window: int, num_tokens: int, block_size: int) -> range:

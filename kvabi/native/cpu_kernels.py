@@ -18,6 +18,7 @@ soname, so the dynamic loader gives it torch's runtime and there is one thread p
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -25,7 +26,8 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +43,27 @@ ISA_TARGETS = {
 }
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _status: list[str] = ["not built yet"]
+
+
+_threads = threading.local()
+
+
+def kernel_threads() -> int:
+    """The threads a kernel call from this thread uses: torch's count, unless `limit_threads`
+    set this thread's own."""
+    return getattr(_threads, "count", None) or torch.get_num_threads()
+
+
+@contextlib.contextmanager
+def limit_threads(count: int) -> Iterator[None]:
+    """Kernel calls from this thread use `count` threads meanwhile (a helper thread beside a
+    forward that holds torch's threads: vLLM forbids `torch.set_num_threads` once bound)."""
+    before = getattr(_threads, "count", None)
+    _threads.count = count
+    try:
+        yield
+    finally:
+        _threads.count = before
 
 
 def kernel_status() -> str:
@@ -214,7 +237,7 @@ class CpuKernels:
         self.amx = code == 2  # the AMX tiles (the packed GEMM and the prefill attention use them)
 
     def _call(self, name: str, *args: object) -> None:
-        code = self._fns[name](*args, torch.get_num_threads())
+        code = self._fns[name](*args, kernel_threads())
         if code != 0:
             raise RuntimeError(f"{name} failed with code {code}")
 

@@ -28,7 +28,7 @@ import xxhash
 
 from kvabi.abi.buffers import CacheBuffers, buffer_specs
 from kvabi.abi.descriptor import Descriptor
-from kvabi.native.cpu_kernels import EntrySpans, cpu_kernels
+from kvabi.native.cpu_kernels import EntrySpans, cpu_kernels, kernel_threads
 from kvabi.wire.container_format import (
     CHECKSUM_BYTES,
     END,
@@ -255,7 +255,7 @@ def entry_checksums(shape: EntryShape, rows: np.ndarray) -> np.ndarray:
     stored checksum fields ignored): uint64 `[n, sections + 2]`."""
     kernels = cpu_kernels()
     if kernels is not None and rows.flags.c_contiguous:
-        return kernels.entry_checksums(rows, shape.sum_spans, torch.get_num_threads())
+        return kernels.entry_checksums(rows, shape.sum_spans, kernel_threads())
     sums = np.empty((len(rows), len(shape.sections) + 2), dtype="<u8")
     for i, raw in enumerate(rows):
         sums[i] = _checksums(shape, raw)

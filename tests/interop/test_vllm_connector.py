@@ -81,7 +81,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
         prompts_c = [{"ids": p}, {"ids": q, "cache_salt": "baseline"}, {"ids": q}]
         c = run_connector_worker(
             h, "bf16", prompts_c, "c", disk_dir=str(kvabi_disk), redis_url=server.url,
-            together=True,
+            together=True, async_load=True,  # layer by layer on the load thread
         )  # fmt: skip
     finally:
         server.stop()
@@ -169,6 +169,8 @@ def test_vllm_loads_what_kvabi_engine_stored(runs: Runs) -> None:
     assert q["num_cached_tokens"] == (len(runs.q) - 1) // BS * BS
     assert q["tokens"] == baseline["tokens"]
     assert q["tokens"] == runs.kvabi_q  # and what kvabi's engine said from its own prefill
+    # placed on the load thread, layer group by layer group, while the forward ran
+    assert stats["num_loaded"] > 0 and stats["load_s"] > 0
 
 
 def test_kvabi_engine_loads_what_vllm_stored(runs: Runs) -> None:
