@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvabi.native.cpu_kernels import ISA_TARGETS, cpu_kernels, isa_gap, kernel_status
+
 
 @pytest.fixture(scope="session")
 def hf_smollm2() -> torch.nn.Module:
@@ -56,3 +58,15 @@ def assert_argmax_agrees(
     clear = top2[:, 0] - top2[:, 1] > 2 * tolerance
     assert clear.float().mean() > min_clear
     assert torch.equal(logits.argmax(-1)[clear], expected.argmax(-1)[clear])
+
+
+@pytest.fixture(scope="module", params=list(ISA_TARGETS))
+def isa_kernels(request):  # noqa: ANN001, ANN201 - pytest's request; CpuKernels
+    """kvabi's kernels built for each ISA target this CPU can run (the CPU's own, AVX512-BF16
+    without AMX, AVX2), so the paths other CPU kinds take are tested here too; a target the
+    CPU lacks is skipped with the flag it misses. A build failure is a defect, not a skip."""
+    if (why := isa_gap(request.param)) is not None:
+        pytest.skip(f"kernels for {request.param}: {why}")
+    kernels = cpu_kernels(request.param)
+    assert kernels is not None, kernel_status()
+    return kernels

@@ -24,7 +24,14 @@ import torch
 
 from kvabi.abi.buffers import CacheBuffers, group_views, owner_layers
 from kvabi.abi.reblock import Run, reblocked_pairs
-from kvabi.abi.view_copy import COPY, COPY_DIMS, SPEC_WIDTH, TRANSPOSE_DIMS, TRANSPOSE_WIDTH
+from kvabi.abi.view_copy import (
+    COPY,
+    COPY_DIMS,
+    SPEC_WIDTH,
+    TRANSPOSE_DIMS,
+    TRANSPOSE_WIDTH,
+    _locate,
+)
 from kvabi.native.cpu_kernels import cpu_kernels
 
 _MAX_PLANS = 64
@@ -169,15 +176,6 @@ def _pair(dst, src, dst_bufs, src_bufs, dst_names, src_names):
             *[2 * d_str[d] for d in outer], *[0] * pad, *[2 * s_str[d] for d in outer],
             *[0] * pad, sizes[rows], sizes[cols], 2 * s_str[rows], 2 * d_str[cols]]  # fmt: skip
     return "transposes", spec, dst_names.index(d_name), src_names.index(s_name)
-
-
-def _locate(view: torch.Tensor, buffers) -> tuple[str | None, int]:
-    ptr = view.data_ptr()
-    for name, t in buffers.items():
-        base = t.data_ptr()
-        if base <= ptr < base + t.numel() * t.element_size():
-            return name, ptr - base
-    return None, 0
 
 
 def _pairs(entries: list, width: int, n_col: int) -> _Pairs:

@@ -12,7 +12,7 @@ from kvabi.abi.catalog import catalog_model
 from kvabi.abi.convert import convert
 from kvabi.abi.presets import preset_descriptor
 from kvabi.abi.view_copy import CopyPlan, _spec, transpose_spec
-from kvabi.native.cpu_kernels import ISA_TARGETS, cpu_kernels, isa_gap
+from kvabi.native.cpu_kernels import cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no C++ kernels here")
 MODEL = catalog_model("smollm2-135m")
@@ -113,13 +113,6 @@ def test_quantising_rows_equal_the_codec_bit_for_bit(dst_name, overrides, monkey
 
 
 # ---- transposing copies (vLLM CPU's K^T [D][N] against token-major blocks) ----
-
-
-@pytest.fixture(params=list(ISA_TARGETS))
-def isa_kernels(request):
-    if (why := isa_gap(request.param)) is not None:
-        pytest.skip(f"kernels for {request.param}: {why}")
-    return cpu_kernels(request.param)
 
 
 @pytest.mark.parametrize("tokens,dim", [(16, 64), (128, 64), (16, 32), (16, 48), (20, 40), (7, 5)])

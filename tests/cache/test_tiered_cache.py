@@ -169,13 +169,18 @@ def test_held_loads_the_run_after_the_pooled_prefix_into_exact_blocks():
     assert cache.held(keys) == 3 and host.stats.hit_tokens == 12  # all pooled: nothing loaded
 
 
-def test_a_corrupt_entry_is_a_miss_removed_and_the_load_stops_before_it(tmp_path):
+def on_disk(tmp_path) -> tuple[KVCache, list[BlockKey], DiskTier]:
+    """A cache whose chain of TOKENS' blocks is on disk only (none pooled)."""
     cache = KVCache(DESC, 6, tiers=TierConfig(disk_dir=str(tmp_path)))
     fill(cache.storage, seed=1)
     keys = cache.hasher.keys(TOKENS)
     write_chain(cache, keys)
     cache.pool.drop_cached()
-    disk = cache.tiers.tier("disk")
+    return cache, keys, cache.tiers.tier("disk")
+
+
+def test_a_corrupt_entry_is_a_miss_removed_and_the_load_stops_before_it(tmp_path):
+    cache, keys, disk = on_disk(tmp_path)
     good = disk.get_many([keys[1].block_hash])[0]
     disk.remove(keys[1].block_hash)
     disk.put(keys[1].block_hash, good[:-64] + bytes(64))  # a damaged copy of block 1
@@ -192,12 +197,7 @@ def test_a_payload_byte_flipped_on_disk_is_caught_by_its_checksum(tmp_path, kern
     if not kernels:
         monkeypatch.setattr("kvabi.cache.disk_tier.cpu_kernels", lambda: None)
         monkeypatch.setattr("kvabi.wire.entries.cpu_kernels", lambda: None)
-    cache = KVCache(DESC, 6, tiers=TierConfig(disk_dir=str(tmp_path)))
-    fill(cache.storage, seed=1)
-    keys = cache.hasher.keys(TOKENS)
-    write_chain(cache, keys)
-    cache.pool.drop_cached()
-    disk = cache.tiers.tier("disk")
+    cache, keys, disk = on_disk(tmp_path)
     shape = entry_shape(DESC)
     path = disk.path(keys[2].block_hash)
     at = shape.sections[0].payload_at + 3

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvabi.native.cpu_kernels import ISA_TARGETS, EntrySpans, cpu_kernels, isa_gap, kernel_status
+from kvabi.native.cpu_kernels import EntrySpans
 from kvabi.wire.entries import _checksums, entry_checksums, entry_shape, write_entries
 from tests.wire.test_entries import CASES, _keys, filled
 
@@ -16,31 +16,22 @@ RNG = np.random.default_rng(7)
 DATA = RNG.integers(0, 256, 9000, dtype=np.uint8)
 
 
-@pytest.fixture(scope="module", params=list(ISA_TARGETS))
-def kernels(request):
-    if (why := isa_gap(request.param)) is not None:
-        pytest.skip(f"kernels for {request.param}: {why}")
-    k = cpu_kernels(request.param)
-    assert k is not None, kernel_status()
-    return k
-
-
-def test_every_length_through_several_blocks_is_xxhash(kernels):
+def test_every_length_through_several_blocks_is_xxhash(isa_kernels):
     # 0-16, 17-128, 129-240 bytes and the long path: whole blocks of 1024, a last block that
     # is full or one byte, and a last stripe that overlaps the block before
     for n in range(0, 3200):
-        assert kernels.xxh3_64(DATA[:n]) == xxhash.xxh3_64_intdigest(DATA[:n].tobytes()), n
+        assert isa_kernels.xxh3_64(DATA[:n]) == xxhash.xxh3_64_intdigest(DATA[:n].tobytes()), n
     for n in (4096, 4097, 8191, 9000):
-        assert kernels.xxh3_64(DATA[:n]) == xxhash.xxh3_64_intdigest(DATA[:n].tobytes()), n
+        assert isa_kernels.xxh3_64(DATA[:n]) == xxhash.xxh3_64_intdigest(DATA[:n].tobytes()), n
     zeros = np.zeros(368640, dtype=np.uint8)
-    assert kernels.xxh3_64(zeros) == xxhash.xxh3_64_intdigest(zeros.tobytes())
+    assert isa_kernels.xxh3_64(zeros) == xxhash.xxh3_64_intdigest(zeros.tobytes())
 
 
-def test_a_section_sum_is_the_hash_of_its_header_then_payload_at_every_size(kernels):
+def test_a_section_sum_is_the_hash_of_its_header_then_payload_at_every_size(isa_kernels):
     rows = RNG.integers(0, 256, (3, 6000), dtype=np.uint8)
     sections = [(0, 100, length) for length in (0, 1, 200, 224, 225, 1008, 2032, 2033, 3000)]
     sections += [(5000, 16, 4000), (40, 40, 5)]  # a payload before its header; overlapping
-    got = kernels.entry_checksums(rows, EntrySpans.of(77, np.asarray(sections), 16), 2)
+    got = isa_kernels.entry_checksums(rows, EntrySpans.of(77, np.asarray(sections), 16), 2)
     for i, row in enumerate(rows):
         data = row.tobytes()
         want = [xxhash.xxh3_64_intdigest(data[:77])]
@@ -51,14 +42,14 @@ def test_a_section_sum_is_the_hash_of_its_header_then_payload_at_every_size(kern
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_entry_checksums_are_the_one_entry_paths(kernels, name, monkeypatch):
+def test_entry_checksums_are_the_one_entry_paths(isa_kernels, name, monkeypatch):
     desc = CASES[name]
     shape = entry_shape(desc)
     ids, hashes = _keys(desc)
     entries = write_entries(shape, filled(desc, len(hashes)), ids, hashes)
     rows = np.stack([np.frombuffer(e, dtype=np.uint8) for e in entries])
     want = np.stack([_checksums(shape, r) for r in rows])
-    got = kernels.entry_checksums(rows, shape.sum_spans, 2)
+    got = isa_kernels.entry_checksums(rows, shape.sum_spans, 2)
     assert np.array_equal(got, want)
     stored = np.ascontiguousarray(rows[:, shape.sums]).reshape(len(rows), -1).view("<u8")
     assert np.array_equal(stored, want)  # what the writer sealed them with
@@ -66,14 +57,14 @@ def test_entry_checksums_are_the_one_entry_paths(kernels, name, monkeypatch):
     assert np.array_equal(entry_checksums(shape, rows), want)
 
 
-def test_a_section_outside_the_rows_is_refused(kernels):
+def test_a_section_outside_the_rows_is_refused(isa_kernels):
     rows = np.zeros((2, 100), dtype=np.uint8)
     for sections, meta in (([(0, 90, 11)], 10), ([(95, 0, 10)], 10), ([(0, 0, 10)], 101)):
         with pytest.raises(ValueError, match="outside"):
-            kernels.entry_checksums(rows, EntrySpans.of(meta, np.asarray(sections), 16), 1)
+            isa_kernels.entry_checksums(rows, EntrySpans.of(meta, np.asarray(sections), 16), 1)
 
 
-def test_a_files_sums_taken_as_it_is_read_are_the_entrys(kernels, tmp_path):
+def test_a_files_sums_taken_as_it_is_read_are_the_entrys(isa_kernels, tmp_path):
     desc = CASES[sorted(CASES)[0]]
     shape = entry_shape(desc)
     ids, hashes = _keys(desc)
@@ -84,7 +75,7 @@ def test_a_files_sums_taken_as_it_is_read_are_the_entrys(kernels, tmp_path):
         paths[-1].write_bytes(entry)
     paths[-1].write_bytes(bytes(entries[-1])[:-1])  # cut short: read, not summed
     rows = np.zeros((len(paths), shape.size), dtype=np.uint8)
-    got, sums = kernels.read_files([str(p) for p in paths], rows, 0, 2, shape.sum_spans)
+    got, sums = isa_kernels.read_files([str(p) for p in paths], rows, 0, 2, shape.sum_spans)
     assert got == [shape.size] * (len(paths) - 1) + [shape.size - 1]
     want = np.stack([_checksums(shape, np.frombuffer(e, dtype=np.uint8)) for e in entries])
     assert np.array_equal(sums[:-1], want[:-1])
