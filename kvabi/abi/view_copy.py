@@ -144,11 +144,11 @@ def _spec(dst: torch.Tensor, src: torch.Tensor, op: RowOp | None = None) -> list
         return None
     if dst.numel() == 0:
         return []
-    # the outer dims (rows of values stay whole: a converted row is not merged with others)
     outer = list(zip(dst.shape[:-1], dst.stride()[:-1], src.stride()[:-1], strict=True))
     dims = [d for d in outer if d[0] != 1]
     row_n = src.shape[-1]
-    if op.op == COPY:  # merge outer dims into the row where both are contiguous
+    if op.op != TO_INT8_ROWS:  # merge outer dims into the row where both are contiguous
+        # (not an int8 row: its scale covers one token-head, so it stays one)
         while dims and dims[-1][1] == row_n and dims[-1][2] == row_n:
             row_n *= dims.pop()[0]
     merged: list[tuple[int, int, int]] = []

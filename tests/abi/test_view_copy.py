@@ -11,7 +11,7 @@ from kvabi.abi.buffers import CacheBuffers, allocate
 from kvabi.abi.catalog import catalog_model
 from kvabi.abi.convert import convert
 from kvabi.abi.presets import preset_descriptor
-from kvabi.abi.view_copy import CopyPlan, _spec, transpose_spec
+from kvabi.abi.view_copy import TO_E4M3, TO_INT8_ROWS, CopyPlan, RowOp, _spec, transpose_spec
 from kvabi.native.cpu_kernels import cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no C++ kernels here")
@@ -80,6 +80,11 @@ def test_contiguous_dims_merge_into_rows():
     assert spec[2] == 1 and spec[3] == 1 and spec[-3] == a.numel() * 4
     spec = _spec(a.permute(1, 0, 2), b.permute(1, 0, 2).contiguous())  # two outer dims left
     assert spec[2] == 2 and spec[3:5] == [8, 4] and spec[-3] == 16 * 4
+    src = torch.zeros(4, 8, 16, dtype=torch.bfloat16)  # fp8 with one scale: rows merge too
+    spec = _spec(torch.zeros(4, 8, 16, dtype=torch.uint8), src, RowOp(TO_E4M3))
+    assert spec[2] == 1 and spec[-3] == 4 * 8 * 16  # a row of values, not bytes
+    spec = _spec(torch.zeros(4, 8, 20, dtype=torch.int8), src, RowOp(TO_INT8_ROWS))
+    assert spec[2] == 1 and spec[3] == 32 and spec[-3] == 16  # 32 rows: a scale per token-head
 
 
 @pytest.mark.parametrize(
