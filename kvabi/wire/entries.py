@@ -68,8 +68,7 @@ class EntryShape:
     fixed: np.ndarray  # int64: the offsets of every fixed byte
     fixed_values: np.ndarray  # uint8: the template's bytes there
     sums: np.ndarray  # int64 [sections + 2, 8]: where the meta, section and end checksums go
-    spans: tuple[tuple[slice, slice], ...]  # per section: the header bytes and payload summed
-    sum_spans: EntrySpans  # the same for the kernels
+    sum_spans: EntrySpans  # where the checksums lie, for the kernels
 
     @property
     def block_size(self) -> int:
@@ -124,13 +123,6 @@ def entry_shape(desc: Descriptor) -> EntryShape | None:
         fixed=fixed,
         fixed_values=entry[fixed],
         sums=np.asarray(checked, dtype=np.int64)[:, None] + np.arange(CHECKSUM_BYTES),
-        spans=tuple(
-            (
-                slice(s.head_at, s.head_at + SECTION_HEAD_CHECKED),
-                slice(s.payload_at, s.payload_at + s.payload_len),
-            )
-            for s in sections
-        ),  # fmt: skip
         sum_spans=EntrySpans.of(
             meta_sum_at,
             np.asarray([(s.head_at, s.payload_at, s.payload_len) for s in sections]),
@@ -270,13 +262,13 @@ def rows_cache(shape: EntryShape, rows: np.ndarray) -> CacheBuffers:
 def _checksums(shape: EntryShape, raw: np.ndarray) -> np.ndarray:
     """The meta, section and end checksums of one entry's bytes (its stored fields ignored)."""
     data = memoryview(raw)
-    sums = np.empty(len(shape.spans) + 2, dtype="<u8")
+    sums = np.empty(len(shape.sections) + 2, dtype="<u8")
     sums[0] = xxhash.xxh3_64_intdigest(data[: shape.meta_sum_at])
     h = xxhash.xxh3_64()
-    for i, (head, payload) in enumerate(shape.spans, 1):
+    for i, s in enumerate(shape.sections, 1):
         h.reset()
-        h.update(data[head])
-        h.update(data[payload])
+        h.update(data[s.head_at : s.head_at + SECTION_HEAD_CHECKED])
+        h.update(data[s.payload_at : s.payload_at + s.payload_len])
         sums[i] = h.intdigest()
     sums[-1] = xxhash.xxh3_64_intdigest(sums[1:-1].tobytes())  # the section checksums, <u8 each
     return sums

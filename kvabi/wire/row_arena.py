@@ -37,7 +37,7 @@ class RowArena:
                 self.reused += 1
                 best = min(fits, key=lambda i: len(self._buffers[i]))
                 return self._buffers[best][:need].reshape(n, size)
-            held = sum(len(b) for b in self._buffers)
+            held = self.held_bytes
             for i in sorted(free, reverse=True):  # too small: make room for one that fits
                 if held + need <= self.max_bytes:
                     break
