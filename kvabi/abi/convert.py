@@ -38,7 +38,6 @@ from kvabi.abi.view_copy import (
     TO_INT8_ROWS,
     CopyPlan,
     RowOp,
-    copy_pairs,
     geometry,
 )
 from kvabi.native.cpu_kernels import cpu_kernels
@@ -214,16 +213,14 @@ def reshard(
     if runs is not None and (plan := reblock_plan(srcs[0], outs[0])):
         plan.run(srcs[0], outs[0], runs, layer_ids)  # the copies' offsets worked out once
         return outs
-    reblocked: list[tuple[torch.Tensor, torch.Tensor]] = []  # copied after the layer loop
     for layer_id in layers:
         src_views = [group_views(s.desc, s.tensors, layer_id) for s in srcs]
         dst_views = [group_views(o.desc, o.tensors, layer_id) for o in outs]
         if runs is not None:  # whole blocks of one size into another's: one pass
-            # (torch's strided copy_, or the kernels' transposing one: the CopyPlan kernel
-            # measured slower on these views)
             planes = zip(_plane_views(src_views[0]), _plane_views(dst_views[0]), strict=True)
             for (_, sv), (_, dv) in planes:
-                reblocked += reblocked_pairs(sv, dv, runs)
+                for dst, src in reblocked_pairs(sv, dv, runs):
+                    dst.copy_(src)
         elif _is_direct(src_desc, dst_desc, len(srcs)):
             _copy_direct(
                 src_views[0],
@@ -246,7 +243,6 @@ def reshard(
             src_map, dst_map = maps[per]
             _copy_tokens(layer_id, srcs, src_views, src_map, outs, dst_views, dst_map)
         copy_sidecars(layer_id, srcs[0], outs, num_tokens, src_block_ids, dst_block_ids)
-    copy_pairs(reblocked)
     return outs
 
 

@@ -6,12 +6,13 @@ copy per layer, plane and run between `[n, r, small, H, C]` views. Building thos
 about 1.5 ms per conversion of SmolLM2's 30 layers (vLLM's connector loading a 640-token hit:
 as long as the copies themselves). Every layer's views have the same shape and strides; they
 differ only in their buffer and in where in it they start, and a run only moves their start
-by whole units. So the plan builds each pair once for a unit at block 0, keeps its strides and
-its offsets into its buffers, and a conversion adds the buffers' addresses and each run's
+by whole units. So the plan builds each pair once for one unit at block 0, keeps its strides
+and its offsets into its buffers, and a conversion adds the buffers' addresses and each run's
 first blocks (numpy, for every pair and run at once) and hands the copies to the kernels: those
 that transpose 2-byte elements to `kvabi_transpose_views`, the rest (rows contiguous on both
-sides) to `kvabi_copy_views`. A pair that is neither, a tiled layout, a sidecar plane or no
-kernels: no plan (the caller goes view by view).
+sides) to `kvabi_copy_views`. A pair that is neither, a tiled layout, a sidecar plane, no
+kernels, or transposes where the kernels only have an element loop for them: no plan (the
+caller goes view by view, by torch's `copy_`).
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from kvabi.abi.view_copy import (
     COPY,
     COPY_DIMS,
     SPEC_WIDTH,
-    TRANSPOSE_DIMS,
     TRANSPOSE_WIDTH,
     _locate,
+    transpose_template,
 )
 from kvabi.native.cpu_kernels import cpu_kernels
 
@@ -96,21 +97,24 @@ def reblock_plan(src: CacheBuffers, out: CacheBuffers) -> ReblockPlan | None:
     """The plan of re-blocking conversions from caches of `src`'s geometry into `out`'s (their
     extents aside), or None where there is none."""
     kernels = cpu_kernels()
-    if kernels is None or not kernels.transposes_fast:
+    if kernels is None:
         return None
     key = (src.desc, out.desc, src.geometry, out.geometry)
     if key not in _PLANS:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.pop(next(iter(_PLANS)))
         _PLANS[key] = _build(src, out)
-    return _PLANS[key]
+    plan = _PLANS[key]
+    if plan is not None and len(plan.transposes.specs) and not kernels.transposes_fast:
+        return None  # torch's strided copy beats an element loop
+    return plan
 
 
 def _build(src: CacheBuffers, out: CacheBuffers) -> ReblockPlan | None:
     s_bs, d_bs = src.desc.layout.block_size, out.desc.layout.block_size
     big = max(s_bs, d_bs)
-    if src.extent < 2 * big // s_bs or out.extent < 2 * big // d_bs:
-        return None  # the templates are built over two units
+    if src.extent < big // s_bs or out.extent < big // d_bs:
+        return None  # the templates are built over one unit
     if any(layer.sidecar_planes for layer in src.desc.model.layers):
         return None
     dst_names, src_names = tuple(out.tensors), tuple(src.tensors)
@@ -124,8 +128,10 @@ def _build(src: CacheBuffers, out: CacheBuffers) -> ReblockPlan | None:
         for sv, dv in planes:
             if sv is None or dv is None:
                 return None
-            (dst, src_view), = reblocked_pairs(sv, dv, [(0, 0, 2)])  # fmt: skip
-            entry = _pair(dst, src_view, out.tensors, src.tensors, dst_names, src_names)
+            (dst, src_view), = reblocked_pairs(sv, dv, [(0, 0, 1)])  # fmt: skip
+            # one unit's stride, from the block axis: torch's view of a size-1 dim may show any
+            units = (dv.stride(0) * (big // d_bs), sv.stride(0) * (big // s_bs))
+            entry = _pair(dst, src_view, units, out.tensors, src.tensors, dst_names, src_names)
             if entry is None:
                 return None
             kind, spec, d_buf, s_buf = entry
@@ -143,15 +149,17 @@ def _plain(groups: list) -> list[torch.Tensor | None]:
     return [v if isinstance(v, torch.Tensor) else None for _, v in _plane_views(groups)]
 
 
-def _pair(dst, src, dst_bufs, src_bufs, dst_names, src_names):
-    """(kind, spec template, dst buffer, src buffer) of one `[n, r, small, H, C]` pair with n
-    kept as the spec's first outer dim, or None."""
+def _pair(dst, src, units, dst_bufs, src_bufs, dst_names, src_names):
+    """(kind, spec template, dst buffer, src buffer) of one `[1, r, small, H, C]` pair whose
+    first dim (n, set per run) steps `units` elements (dst, src), or None."""
     d_name, d_off = _locate(dst, dst_bufs)
     s_name, s_off = _locate(src, src_bufs)
     if d_name is None or s_name is None or dst.dtype != src.dtype or dst.shape != src.shape:
         return None
+    buffers = dst_names.index(d_name), src_names.index(s_name)
     size = dst.element_size()
     sizes, d_str, s_str = list(dst.shape), list(dst.stride()), list(src.stride())
+    d_str[0], s_str[0] = units
     if d_str[-1] == 1 and s_str[-1] == 1:  # rows (C) contiguous on both sides
         outer = list(range(dst.dim() - 1))
         if len(outer) > COPY_DIMS:
@@ -161,21 +169,13 @@ def _pair(dst, src, dst_bufs, src_bufs, dst_names, src_names):
                 *[size * d_str[d] for d in outer], *[0] * pad,
                 *[size * s_str[d] for d in outer], *[0] * pad,
                 sizes[-1] * size, COPY, 0]  # fmt: skip
-        return "rows", spec, dst_names.index(d_name), src_names.index(s_name)
+        return "rows", spec, *buffers
     if size != 2:
         return None
-    cols = next((d for d in range(1, dst.dim()) if s_str[d] == 1 and sizes[d] > 1), None)
-    rows = next((d for d in range(1, dst.dim()) if d_str[d] == 1 and sizes[d] > 1), None)
-    if cols is None or rows is None or cols == rows:
+    template = transpose_template(tuple(sizes), tuple(d_str), tuple(sizes), tuple(s_str))
+    if template is None:
         return None
-    outer = [0] + [d for d in range(1, dst.dim()) if d not in (rows, cols)]
-    if len(outer) > TRANSPOSE_DIMS:
-        return None
-    pad = TRANSPOSE_DIMS - len(outer)
-    spec = [d_off, s_off, len(outer), *[sizes[d] for d in outer], *[1] * pad,
-            *[2 * d_str[d] for d in outer], *[0] * pad, *[2 * s_str[d] for d in outer],
-            *[0] * pad, sizes[rows], sizes[cols], 2 * s_str[rows], 2 * d_str[cols]]  # fmt: skip
-    return "transposes", spec, dst_names.index(d_name), src_names.index(s_name)
+    return "transposes", [d_off, s_off, *template], *buffers
 
 
 def _pairs(entries: list, width: int, n_col: int) -> _Pairs:

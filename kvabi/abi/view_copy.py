@@ -23,8 +23,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvabi.native.cpu_kernels import cpu_kernels
-
 COPY_DIMS = 5  # outer dims a spec holds (kCopyDims in cpu_kernels.cpp)
 # one spec: dst, src, nd, shape[COPY_DIMS], dst strides, src strides (bytes), row, op, scale
 SPEC_WIDTH = 3 + 3 * COPY_DIMS + 3
@@ -183,25 +181,25 @@ def transpose_spec(dst: torch.Tensor, src: torch.Tensor) -> list[int] | None:
         return None
     if dst.device.type != "cpu" or src.device.type != "cpu":
         return None
-    template = _transpose_template(tuple(dst.shape), dst.stride(), tuple(src.shape), src.stride())
+    template = transpose_template(tuple(dst.shape), dst.stride(), tuple(src.shape), src.stride())
     return None if template is None else [dst.data_ptr(), src.data_ptr(), *template]
 
 
 @functools.lru_cache(maxsize=256)
-def _transpose_template(
+def transpose_template(
     shape: tuple[int, ...], dst_stride: tuple[int, ...], src_shape: tuple[int, ...],
     src_stride: tuple[int, ...],
 ) -> tuple[int, ...] | None:  # fmt: skip
-    """`transpose_spec` past its two addresses, per geometry (every layer of a cache has the
-    same views: worked out once)."""
+    """`transpose_spec` past its two addresses, per geometry. Every dim but the tile's is an
+    outer dim, in order, even of size 1 (a `ReblockPlan` sets the first per run)."""
     if shape != src_shape:
         return None
-    dims = [d for d in range(len(shape)) if shape[d] != 1]
+    dims = [d for d in range(len(shape)) if shape[d] != 1]  # a size-1 dim's stride says nothing
     cols = next((d for d in dims if src_stride[d] == 1), None)
     rows = next((d for d in dims if dst_stride[d] == 1), None)
     if cols is None or rows is None or cols == rows:
         return None
-    outer = [d for d in dims if d not in (rows, cols)]
+    outer = [d for d in range(len(shape)) if d not in (rows, cols)]
     if len(outer) > TRANSPOSE_DIMS:
         return None
     pad = TRANSPOSE_DIMS - len(outer)
@@ -212,18 +210,3 @@ def _transpose_template(
         *([2 * src_stride[d] for d in outer] + [0] * pad),
         shape[rows], shape[cols], 2 * src_stride[rows], 2 * dst_stride[cols],
     )  # fmt: skip
-
-
-def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """`dst.copy_(src)` for every pair: those that transpose 2-byte elements in one call to the
-    kernels where they run them in vector registers, the rest by torch."""
-    kernels = cpu_kernels()
-    specs = []
-    for dst, src in pairs:
-        spec = transpose_spec(dst, src) if kernels is not None and kernels.transposes_fast else None
-        if spec is None:
-            dst.copy_(src)
-        else:
-            specs.append(spec)
-    if specs:
-        kernels.transpose_views(torch.tensor(specs, dtype=torch.int64))

@@ -61,9 +61,11 @@ def test_one_pass_equals_token_by_token(src, s_bs, dst, d_bs, dtype, planned, mo
     assert convert_module._reblock_runs([a], fast, n, s_ids, d_ids) is not None
     has_plan = reblock_plan_module.reblock_plan(a, fast) is not None
     kernels = cpu_kernels()
-    four_byte_transposes = dtype == "f32" and "vllm-cpu-vec" in (src, dst)  # no kernel for those
-    fast_kernels = kernels is not None and kernels.transposes_fast
-    assert has_plan == (planned and fast_kernels and not four_byte_transposes)
+    transposes = "vllm-cpu-vec" in (src, dst)  # K^T against token-major blocks
+    four_byte_transposes = transposes and dtype == "f32"  # no kernel for those
+    slow_transposes = transposes and not (kernels and kernels.transposes_fast)
+    expected = planned and kernels is not None and not four_byte_transposes and not slow_transposes
+    assert has_plan == expected
     monkeypatch.setattr(convert_module, "_reblock_runs", lambda *_: None)
     slow = convert(a, dst_desc, **args, out=_filled(dst_desc, 24, seed=2))
     for key, t in slow.tensors.items():

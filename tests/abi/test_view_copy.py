@@ -6,7 +6,6 @@ import torch
 
 from kvabi.abi import convert as convert_module
 from kvabi.abi import reblock_plan as reblock_plan_module
-from kvabi.abi import view_copy as view_copy_module
 from kvabi.abi.buffers import CacheBuffers, allocate
 from kvabi.abi.catalog import catalog_model
 from kvabi.abi.convert import convert
@@ -157,7 +156,6 @@ def test_a_reblocking_load_into_vllm_cpu_blocks_is_the_torch_copys(monkeypatch):
     vec = preset_descriptor("vllm-cpu-vec", MODEL, dtype="bf16", block_size=128)
     table = [5, 2]
     with monkeypatch.context() as m:  # torch's copies, view by view
-        m.setattr(view_copy_module, "cpu_kernels", lambda: None)
         m.setattr(reblock_plan_module, "cpu_kernels", lambda: None)
         want = convert(src, vec, num_tokens=256, dst_block_ids=table,
                        out=CacheBuffers.empty(vec, 6, "zeros"))  # fmt: skip
