@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 from kvabi.abi.buffers import CacheBuffers
@@ -35,6 +36,7 @@ class TierWriter:
         self._is_closed = False
         self._queue: queue.Queue[tuple[Callable[[], None], int] | None] = queue.Queue()
         self._lock = threading.Lock()
+        self._queued: Counter[bytes] = Counter()  # block hash -> its entries queued, not written
         self._thread = threading.Thread(target=self._run, name="kvabi-tier-writer", daemon=True)
         self._thread.start()
 
@@ -52,21 +54,27 @@ class TierWriter:
         """Queue a snapshot of `len(keys)` blocks whose `num_bytes` were reserved."""
         self._queue.put((lambda: self._write(blocks, keys), num_bytes))
 
-    def submit_entries(
-        self, entries: Sequence[tuple[bytes, Entry]], num_bytes: int,
-        done: Callable[[], None] | None = None,
-    ) -> None:  # fmt: skip
+    def submit_entries(self, entries: Sequence[tuple[bytes, Entry]], num_bytes: int) -> None:
         """Queue encoded entries, (block hash, entry) each, whose `num_bytes` were reserved:
-        each goes into every tier that lacks it; then `done` runs (written or failed)."""
+        each goes into every tier that lacks it. Until then `is_queued` names them."""
+        hashes = [h for h, _ in entries]
+        with self._lock:
+            self._queued.update(hashes)
 
         def write() -> None:
             try:
                 self._put_entries(entries)
             finally:
-                if done is not None:
-                    done()
+                with self._lock:
+                    self._queued.subtract(hashes)
+                    self._queued = +self._queued  # drop the zero counts
 
         self._queue.put((write, num_bytes))
+
+    def is_queued(self, block_hashes: Sequence[bytes]) -> bool:
+        """Whether an entry of any of these blocks is queued (`submit_entries`), not written."""
+        with self._lock:
+            return any(h in self._queued for h in block_hashes)
 
     def flush(self) -> None:
         """Wait until everything queued so far is written (tests, benches, shutdown)."""

@@ -35,13 +35,13 @@ from kvabi.native.cpu_kernels import limit_threads
 GROUP_LAYERS = 4  # layers placed per step of the thread (Python and a kernel call per group)
 
 
-@dataclass(frozen=True)
-class BlockLoad:
-    """Store blocks (`blocks`, in prompt order) to place into vLLM blocks `block_ids`."""
+@dataclass
+class Load:
+    """Store blocks (`blocks`, in prompt order) to place into vLLM blocks `block_ids` (whole
+    vLLM blocks: `ratio` store blocks each)."""
 
     block_ids: list[int]
     blocks: CacheBuffers
-    num_tokens: int
 
 
 class LayerLoads:
@@ -52,7 +52,7 @@ class LayerLoads:
         self.load_s = 0.0  # the thread's time placing blocks
         self.wait_s = 0.0  # the forward's time waiting for a layer's blocks
 
-    def start(self, loads: Sequence[BlockLoad], cache: CacheBuffers, background: bool) -> None:
+    def start(self, loads: Sequence[Load], cache: CacheBuffers, background: bool) -> None:
         """Queue `loads` into `cache` on the thread, layer group by layer group; or, not in
         the `background`, place them all now, on this thread's cores."""
         self.finish()  # a previous forward's, should a step have skipped its end
@@ -61,7 +61,7 @@ class LayerLoads:
         if not background:
             start = time.perf_counter()
             for load in loads:
-                write_sequence(load.blocks, cache, load.block_ids, load.num_tokens)
+                write_sequence(load.blocks, cache, load.block_ids, _tokens(load, cache))
             self.load_s += time.perf_counter() - start
             return
         if self._thread is None:
@@ -91,14 +91,18 @@ class LayerLoads:
         if self._thread is not None:
             self._thread.shutdown(wait=True)
 
-    def _place(self, loads: Sequence[BlockLoad], cache: CacheBuffers, group: list[int]) -> None:
+    def _place(self, loads: Sequence[Load], cache: CacheBuffers, group: list[int]) -> None:
         start = time.perf_counter()
         with limit_threads(1):  # the spare core, beside the forward's threads
             for load in loads:
-                write_sequence(load.blocks, cache, load.block_ids, load.num_tokens, group)
+                write_sequence(load.blocks, cache, load.block_ids, _tokens(load, cache), group)
         self.load_s += time.perf_counter() - start
 
 
 def spare_cores() -> int:
     """Cores this process may run on beyond torch's threads (which a forward keeps busy)."""
     return len(os.sched_getaffinity(0)) - torch.get_num_threads()
+
+
+def _tokens(load: Load, cache: CacheBuffers) -> int:
+    return len(load.block_ids) * cache.desc.layout.block_size

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -60,7 +59,7 @@ from kvabi.cache.block_hasher import BlockHasher, BlockKey
 from kvabi.cache.tier_config import TierConfig
 from kvabi.cache.tier_writer import TierWriter
 from kvabi.cache.tiered_cache import TieredCache
-from kvabi.connectors.layer_loads import BlockLoad, LayerLoads, spare_cores
+from kvabi.connectors.layer_loads import LayerLoads, Load, spare_cores
 from kvabi.interop.vllm_cache import (
     check_block_ids,
     kv_caches_to_buffers,
@@ -70,12 +69,6 @@ from kvabi.native.cpu_kernels import cpu_kernels
 from kvabi.wire.entries import entry_shape
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Load:
-    block_ids: list[int]  # vLLM blocks to fill
-    blocks: CacheBuffers  # verified store blocks, in prompt order (`ratio` per vLLM block)
 
 
 @dataclass
@@ -153,8 +146,6 @@ class KvabiConnector(KVConnectorBase_V1):
         self.hasher = BlockHasher(self.model.compat_digest(), self.store.layout.block_size)
         self.tiers = TieredCache(self.store, [])  # the worker side touches no tier
         self._writer: TierWriter | None = None  # writes entries down off vLLM's loop
-        self._unwritten: dict[bytes, int] = {}  # block hash -> queued writes of it
-        self._unwritten_lock = threading.Lock()
         if role == KVConnectorRole.SCHEDULER:
             config = TierConfig(disk_dir=extra.get("disk_dir"), redis_url=extra.get("redis_url"))
             self.tiers = TieredCache(self.store, config.build(self.model.compat_digest()))
@@ -196,7 +187,8 @@ class KvabiConnector(KVConnectorBase_V1):
         elif not wanted:
             return 0, False
         elif self.async_fetch and len(self._requests) > 1:  # others in flight to overlap with
-            if not self.tiers.holds(wanted[:1])[0] and not self._is_unwritten(wanted[0]):
+            queued = self._writer.is_queued([wanted[0].block_hash])
+            if not queued and not self.tiers.holds(wanted[:1])[0]:
                 return 0, False  # a miss answers at once
             self._fetching[req_id] = _Fetch(first, self._thread().submit(self._fetch, wanted))
             self.stats.num_background_fetches += 1
@@ -236,7 +228,8 @@ class KvabiConnector(KVConnectorBase_V1):
     def _fetch(self, keys: list[BlockKey]) -> CacheBuffers | None:
         """The verified blocks of the longest leading run of `keys` that some tier holds (a
         bad or foreign entry is removed and ends the run; a tier that is down is a miss)."""
-        self._await_writes(keys)
+        if self._writer.is_queued([k.block_hash for k in keys]):
+            self._writer.flush()  # a prompt after the one that saved them: read, not recompute
         start = time.perf_counter()
         found = self.tiers.fetch(keys)
         self.stats.fetch_s += time.perf_counter() - start
@@ -293,33 +286,8 @@ class KvabiConnector(KVConnectorBase_V1):
         n = self._writer.reserve(len(entries), len(entries[0][1]))
         self.stats.num_write_dropped += len(entries) - n
         if n:
-            hashes = [h for h, _ in entries[:n]]
-            with self._unwritten_lock:
-                for h in hashes:
-                    self._unwritten[h] = self._unwritten.get(h, 0) + 1
-            done = lambda: self._written(hashes)  # noqa: E731 - the writer thread runs it
-            self._writer.submit_entries(entries[:n], n * len(entries[0][1]), done)
+            self._writer.submit_entries(entries[:n], n * len(entries[0][1]))
         self.stats.write_s += time.perf_counter() - start
-
-    def _is_unwritten(self, key: BlockKey) -> bool:
-        with self._unwritten_lock:
-            return key.block_hash in self._unwritten
-
-    def _written(self, hashes: list[bytes]) -> None:
-        with self._unwritten_lock:
-            for h in hashes:
-                if self._unwritten[h] == 1:
-                    del self._unwritten[h]
-                else:
-                    self._unwritten[h] -= 1
-
-    def _await_writes(self, keys: list[BlockKey]) -> None:
-        """Wait for queued writes of these blocks (a prompt that follows the one that saved
-        them is read from the tiers, not recomputed)."""
-        with self._unwritten_lock:
-            queued = any(k.block_hash in self._unwritten for k in keys)
-        if queued and self._writer is not None:
-            self._writer.flush()
 
     def shutdown(self) -> None:
         if self._writer is not None:
@@ -355,10 +323,8 @@ class KvabiConnector(KVConnectorBase_V1):
         cache = self._vllm_cache(forward_context)  # wait_for_save reads it too
         if not meta.loads:
             return
-        bs = self.block_size
-        loads = [BlockLoad(ld.block_ids, ld.blocks, len(ld.block_ids) * bs) for ld in meta.loads]
-        self._layer_loads.start(loads, cache, background=self.async_load)
-        for load in loads:
+        self._layer_loads.start(meta.loads, cache, background=self.async_load)
+        for load in meta.loads:
             self.stats.num_loaded += load.blocks.extent
             self.stats.bytes_loaded += load.blocks.num_bytes
 

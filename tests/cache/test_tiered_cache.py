@@ -115,19 +115,21 @@ def test_the_writer_never_blocks_and_drops_what_its_queue_cannot_hold():
     assert tier.lru_order() == [k.block_hash for k in (keys[1], keys[0], keys[3])]
 
 
-def test_encoded_entries_go_to_the_tiers_lacking_them_then_done_runs(tmp_path):
+def test_encoded_entries_go_to_the_tiers_lacking_them_and_are_queued_till_then(tmp_path):
     disk, host = DiskTier(tmp_path, 1 << 20, "d" * 32), HostTier(1 << 20)
     codec = BlockCodec(DESC)
     keys = [BlockKey(bytes([i]) * 32, (i, i, i, i)) for i in range(3)]
     entries = codec.encode_many(filled_storage().read_blocks([0, 1, 2]), keys)
     host.put(keys[1].block_hash, entries[1])
-    writer, done = TierWriter([host, disk], codec, max_queued_bytes=1 << 20), []
-    size = len(entries[0])
+    gate, put = threading.Event(), host.put
+    host.put = lambda h, e: (gate.wait(10), put(h, e))  # the writer stalls on the first tier
+    writer, size = TierWriter([host, disk], codec, max_queued_bytes=1 << 20), len(entries[0])
     assert writer.reserve(3, size) == 3
-    pairs = [(k.block_hash, e) for k, e in zip(keys, entries, strict=True)]
-    writer.submit_entries(pairs, 3 * size, lambda: done.append(writer.num_queued_bytes))
+    writer.submit_entries([(k.block_hash, e) for k, e in zip(keys, entries, strict=True)], 3 * size)
+    assert writer.is_queued([keys[2].block_hash]) and not writer.is_queued([b"\x09" * 32])
+    gate.set()
     writer.close()
-    assert done == [3 * size]  # after the writes, before the room is given back
+    assert not writer.is_queued([k.block_hash for k in keys])
     assert disk.contains_many([k.block_hash for k in keys]) == [True] * 3
     assert (host.stats.writes, disk.stats.writes, writer.num_queued_bytes) == (3, 3, 0)
     assert disk.get_many([keys[2].block_hash]) == [bytes(entries[2])]

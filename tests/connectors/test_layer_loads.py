@@ -10,7 +10,7 @@ from kvabi.abi.buffers import CacheBuffers
 from kvabi.abi.catalog import catalog_model
 from kvabi.abi.presets import preset_descriptor
 from kvabi.connectors import layer_loads
-from kvabi.connectors.layer_loads import BlockLoad, LayerLoads
+from kvabi.connectors.layer_loads import LayerLoads, Load
 from kvabi.interop.vllm_cache import write_sequence
 
 MODEL = catalog_model("smollm2-135m")
@@ -28,10 +28,10 @@ def _store_blocks(n: int, seed: int) -> CacheBuffers:
 
 @pytest.mark.parametrize("background", [True, False])
 def test_the_placed_blocks_are_a_synchronous_loads(background):
-    loads = [BlockLoad([3, 1], _store_blocks(16, 1), 256), BlockLoad([5], _store_blocks(8, 2), 128)]
+    loads = [Load([3, 1], _store_blocks(16, 1)), Load([5], _store_blocks(8, 2))]
     want = CacheBuffers.empty(VLLM, 7, "zeros")
     for load in loads:
-        write_sequence(load.blocks, want, load.block_ids, load.num_tokens)
+        write_sequence(load.blocks, want, load.block_ids, 128 * len(load.block_ids))
     got, pipeline = CacheBuffers.empty(VLLM, 7, "zeros"), LayerLoads()
     pipeline.start(loads, got, background=background)
     for layer in range(MODEL.num_layers):
@@ -52,7 +52,7 @@ def test_a_layer_waits_for_its_own_group_only(monkeypatch):
 
     monkeypatch.setattr(layer_loads, "write_sequence", slow)
     pipeline = LayerLoads(group_layers=4)
-    pipeline.start([BlockLoad([1], _store_blocks(8, 3), 128)], CacheBuffers.empty(VLLM, 2), True)
+    pipeline.start([Load([1], _store_blocks(8, 3))], CacheBuffers.empty(VLLM, 2), True)
     gates[0].set()
     pipeline.wait(3)  # layers 0-3: group 0
     assert placed == [0]
@@ -77,7 +77,7 @@ def test_a_failed_load_raises_in_the_waits_of_the_layers_it_had_not_placed(monke
 
     monkeypatch.setattr(layer_loads, "write_sequence", broken)
     pipeline = LayerLoads(group_layers=4)
-    pipeline.start([BlockLoad([1], _store_blocks(8, 4), 128)], CacheBuffers.empty(VLLM, 2), True)
+    pipeline.start([Load([1], _store_blocks(8, 4))], CacheBuffers.empty(VLLM, 2), True)
     pipeline.wait(0)  # group 0 was placed
     with pytest.raises(RuntimeError, match="disk gone"):
         pipeline.wait(9)
