@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from kvabi.abi.buffers import CacheBuffers
+from kvabi.abi.buffers import buffer_specs
 from kvabi.abi.table import print_table
 from kvabi.bench.report import best_seconds, is_disturbed, machine, plain_copy_gbps, write_json
 from kvabi.bench.serve_load import WORDS
@@ -85,16 +85,21 @@ def _workload(h: Handoff, sizes: Sizes) -> tuple[list[dict], list[dict]]:
 def _measure(h: Handoff, sizes: Sizes, store: Path) -> dict:
     warm, measured = _workload(h, sizes)
     disk = {"disk_dir": str(store)}
-    block_bytes = _block_bytes(h)
-    memcpy = [_memcpy_bytes_per_s(MEMCPY_BLOCKS * block_bytes)]  # between the vLLM runs too
+    block_bytes = sum(spec.num_bytes for spec in buffer_specs(h.descriptor(), 1))
+    memcpy: list[float] = []  # the baseline, before and after each vLLM run
+
+    def sample_memcpy() -> None:
+        memcpy.append(_memcpy_bytes_per_s(MEMCPY_BLOCKS * block_bytes))
+
+    sample_memcpy()
     saved = run_connector_worker(h, "bf16", warm, "warm", **disk)
-    memcpy.append(_memcpy_bytes_per_s(MEMCPY_BLOCKS * block_bytes))
+    sample_memcpy()
     again = measured + warm + measured  # cold, then its own prefix cache's hits
     alone = run_connector_worker(h, "bf16", again, "alone", connector=False, prefix_caching=True)
-    memcpy.append(_memcpy_bytes_per_s(MEMCPY_BLOCKS * block_bytes))
+    sample_memcpy()
     cold, hits = alone["runs"][: len(measured)], alone["runs"][-len(measured) :]
     kvabi = run_connector_worker(h, "bf16", measured, "kvabi", prefix_caching=True, **disk)
-    memcpy.append(_memcpy_bytes_per_s(MEMCPY_BLOCKS * block_bytes))
+    sample_memcpy()
     prompt_tokens = sum(len(p["ids"]) for p in measured)
     ttft_alone = statistics.median(r["ttft_s"] for r in cold)
     ttft_kvabi = statistics.median(r["ttft_s"] for r in kvabi["runs"])
@@ -140,11 +145,6 @@ def _measure(h: Handoff, sizes: Sizes, store: Path) -> dict:
         "ran_on": _ran_on(),
         "store_bytes": sum(p.stat().st_size for p in store.rglob("*.kvabi")),
     }
-
-
-def _block_bytes(h: Handoff) -> int:
-    """The K/V bytes of one store block."""
-    return CacheBuffers.empty(h.descriptor(), 1).num_bytes
 
 
 def _ran_on() -> dict:
