@@ -117,20 +117,30 @@ struct Pool {
   int64_t block_size;
 };
 
-// Calls fn(t, row) for each token t < context_len with a pointer to its row at `offset`
+// Calls fn(t, row) for each token begin <= t < end with a pointer to its row at `offset`
 // (block-wise, so there is no division per token).
 template <typename T, typename Fn>
-inline void for_each_token(const T* base, const Pool& pool, const int64_t* table,
-                           int64_t context_len, int64_t offset, Fn fn) {
-  for (int64_t start = 0, b = 0; start < context_len; start += pool.block_size, ++b) {
+inline void for_each_token(const T* base, const Pool& pool, const int64_t* table, int64_t begin,
+                           int64_t end, int64_t offset, Fn fn) {
+  for (int64_t b = begin / pool.block_size, start = b * pool.block_size; start < end;
+       start += pool.block_size, ++b) {
     const T* block = base + table[b] * pool.block_stride + offset;
-    const int64_t n = std::min(pool.block_size, context_len - start);
-    for (int64_t j = 0; j < n; ++j) fn(start + j, block + j * pool.slot_stride);
+    const int64_t first = std::max(begin - start, int64_t{0});
+    const int64_t n = std::min(pool.block_size, end - start);
+    for (int64_t j = first; j < n; ++j) fn(start + j, block + j * pool.slot_stride);
   }
 }
 
-using Bf16Attend = void (*)(const uint16_t*, uint16_t*, const Pool&, const int64_t*, int64_t,
-                            int64_t, float, std::vector<float>&);
+// One part of a (sequence, KV head)'s keys [begin, end), before the softmax's normalisation:
+// acc[g][d] = sum_t exp(s_gt - peak_g) v_t[d], peak[g] = max_t s_gt, sum[g] = sum_t exp(s_gt - peak_g).
+struct AttendPart {
+  float* acc;  // [group][dim]
+  float* peak;  // [group]
+  float* sum;  // [group]
+};
+
+using Bf16Attend = void (*)(const uint16_t*, const Pool&, const int64_t*, int64_t, int64_t,
+                            int64_t, float, std::vector<float>&, const AttendPart&);
 
 #if defined(__AVX512BF16__)
 // The lane sums of 16 vectors as one vector: out[j] = sum of v[j]'s 16 lanes (a transpose-add
@@ -159,19 +169,19 @@ inline __m512 bf16x16_to_f32(const uint16_t* p) {
 
 // One (sequence, KV head) of a bf16 cache, with the head size and the number of query heads per
 // KV head fixed at compile time so that the accumulators can live in registers (up to 32: head
-// size 128 with more than 3 query heads per KV head spills some). Same arithmetic
-
-// as the generic `attend` (bf16 products are exact in float32, float32 sums, one rounding of
+// size 128 with more than 3 query heads per KV head spills some), over the part [begin, end) of
+// its keys (`decode` merges the parts). Same arithmetic as the generic `attend` (bf16 products are exact in float32, float32 sums, one rounding of
 // the output); only the summation order differs.
 //  - scores: 16 tokens at a time, 32 products per AVX512-BF16 instruction, the 16 dot products
 //    summed together (sum16), the running maximum kept as a vector;
 //  - softmax over the scores row;
 //  - weighted sum of V: each V row is widened once for all GROUP heads.
 template <int DIM, int GROUP>
-void attend_bf16(const uint16_t* q, uint16_t* out, const Pool& pool, const int64_t* table,
-                 int64_t context_len, int64_t kv_head, float scale, std::vector<float>& buf) {
+void attend_bf16(const uint16_t* q, const Pool& pool, const int64_t* table, int64_t begin,
+                 int64_t end, int64_t kv_head, float scale, std::vector<float>& buf,
+                 const AttendPart& part) {
   constexpr int kDot = DIM / 32, kAcc = DIM / 16;
-  const int64_t stride = (context_len + 15) / 16 * 16;  // one scores row per query head
+  const int64_t count = end - begin, stride = (count + 15) / 16 * 16;  // a scores row per head
   buf.resize(static_cast<size_t>(GROUP) * stride);
   float* scores = buf.data();
   const int64_t offset = kv_head * pool.head_stride;
@@ -201,23 +211,23 @@ void attend_bf16(const uint16_t* q, uint16_t* out, const Pool& pool, const int64
     t0 += n;
     n = 0;
   };
-  for_each_token(static_cast<const uint16_t*>(pool.k), pool, table, context_len, offset,
+  for_each_token(static_cast<const uint16_t*>(pool.k), pool, table, begin, end, offset,
                  [&](int64_t, const uint16_t* k) {
                    rows[n++] = k;
                    if (n == 16) flush();
                  });
   if (n > 0) flush();
-  float inv_sum[GROUP];
   for (int g = 0; g < GROUP; ++g) {
-    float* s = scores + g * stride;
-    inv_sum[g] = 1.0f / exp_and_sum(s, context_len, _mm512_reduce_max_ps(peak[g]));
+    part.peak[g] = _mm512_reduce_max_ps(peak[g]);
+    part.sum[g] = exp_and_sum(scores + g * stride, count, part.peak[g]);
   }
 
   __m512 acc[GROUP][kAcc];
   for (int g = 0; g < GROUP; ++g)
     for (int c = 0; c < kAcc; ++c) acc[g][c] = _mm512_setzero_ps();
-  for_each_token(static_cast<const uint16_t*>(pool.v), pool, table, context_len, offset,
-                 [&](int64_t t, const uint16_t* v) {
+  for_each_token(static_cast<const uint16_t*>(pool.v), pool, table, begin, end, offset,
+                 [&](int64_t token, const uint16_t* v) {
+                   const int64_t t = token - begin;
                    __m512 vf[kAcc];
                    for (int c = 0; c < kAcc; ++c) vf[c] = bf16x16_to_f32(v + c * 16);
                    for (int g = 0; g < GROUP; ++g) {
@@ -225,12 +235,8 @@ void attend_bf16(const uint16_t* q, uint16_t* out, const Pool& pool, const int64
                      for (int c = 0; c < kAcc; ++c) acc[g][c] = _mm512_fmadd_ps(w, vf[c], acc[g][c]);
                    }
                  });
-  for (int g = 0; g < GROUP; ++g) {
-    alignas(64) float row[DIM];
-    for (int c = 0; c < kAcc; ++c)
-      _mm512_store_ps(row + c * 16, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv_sum[g])));
-    for (int d = 0; d < DIM; ++d) out[g * DIM + d] = bf16_bits(row[d]);
-  }
+  for (int g = 0; g < GROUP; ++g)
+    for (int c = 0; c < kAcc; ++c) _mm512_storeu_ps(part.acc + g * DIM + c * 16, acc[g][c]);
 }
 
 // The attend_bf16 instance for (DIM, group), or nullptr where there is none (group > 8).
@@ -267,7 +273,7 @@ void attend(const T* q, T* out, const Pool& pool, const int64_t* table, int64_t 
   float* r = row.data();
   for (int i = 0; i < group * head_dim; ++i) qf[i] = to_f32(q[i]) * scale;
   const int64_t offset = kv_head * pool.head_stride;
-  for_each_token(static_cast<const T*>(pool.k), pool, table, context_len, offset,
+  for_each_token(static_cast<const T*>(pool.k), pool, table, 0, context_len, offset,
                  [&](int64_t t, const T* k) {
 #pragma omp simd
     for (int d = 0; d < head_dim; ++d) r[d] = to_f32(k[d]);
@@ -287,7 +293,7 @@ void attend(const T* q, T* out, const Pool& pool, const int64_t* table, int64_t 
     for (int64_t t = 0; t < context_len; ++t) peak = std::max(peak, s[t]);
     inv_sum[g] = 1.0f / exp_and_sum(s, context_len, peak);
   }
-  for_each_token(static_cast<const T*>(pool.v), pool, table, context_len, offset,
+  for_each_token(static_cast<const T*>(pool.v), pool, table, 0, context_len, offset,
                  [&](int64_t t, const T* v) {
 #pragma omp simd
     for (int d = 0; d < head_dim; ++d) r[d] = to_f32(v[d]);
@@ -303,14 +309,79 @@ void attend(const T* q, T* out, const Pool& pool, const int64_t* table, int64_t 
       store(acc[static_cast<size_t>(g) * head_dim + d] * inv_sum[g], &out[g * head_dim + d]);
 }
 
+// How many parts `decode` splits each (sequence, KV head)'s keys into: with fewer items than a
+// few per thread (batch 1 has as many as the model has KV heads: 3 for SmolLM2 on 2 threads),
+// whole items leave threads idle; parts of at least kMinPart keys, merged after, balance them.
+// The split depends only on the step's shape, so a step's result does not depend on timing.
+constexpr int64_t kMinPart = 64, kMaxParts = 64;
+inline int64_t attend_parts(int64_t work, int64_t longest, int num_threads) {
+  if (num_threads < 2 || work >= 4 * num_threads) return 1;
+  int64_t parts = 1;
+  while (work * parts < 4 * num_threads && longest >= 2 * parts * kMinPart && parts < kMaxParts)
+    parts *= 2;
+  return parts;
+}
+
+// out[g] = the merged parts' softmax-weighted sum of V for query head g (bf16), where part i
+// holds its keys' sums relative to its own peak: each is rescaled by exp(peak_i - peak). One
+// part is the unsplit softmax, rounded as before: acc * (1 / sum).
+inline void merge_parts(const float* parts, int64_t num_parts, int group, int dim, uint16_t* out) {
+  const int64_t part_size = static_cast<int64_t>(group) * (dim + 2);
+  float w[kMaxParts];
+  for (int g = 0; g < group; ++g) {
+    float top = -INFINITY, total = 0.0f;
+    for (int64_t i = 0; i < num_parts; ++i)
+      top = std::max(top, parts[i * part_size + group * dim + g]);
+    for (int64_t i = 0; i < num_parts; ++i) {
+      const float* part = parts + i * part_size;
+      w[i] = num_parts == 1 ? 1.0f : exp_approx(part[group * dim + g] - top);
+      total += w[i] * part[group * dim + group + g];
+    }
+    const float inv = 1.0f / total;
+    for (int d = 0; d < dim; ++d) {
+      float value = 0.0f;
+      for (int64_t i = 0; i < num_parts; ++i) value += w[i] * parts[i * part_size + g * dim + d];
+      out[g * dim + d] = bf16_bits(value * inv);
+    }
+  }
+}
+
 template <typename T, int DIM>
 void decode(const T* q, int64_t q_stride, T* out, const Pool& pool, const int64_t* tables,
             int64_t table_width, const int64_t* context_lens, int64_t num_seqs, int num_heads, int num_kv_heads,
             int head_dim, float scale, int num_threads) {
   const int group = num_heads / num_kv_heads;
   const int64_t work = num_seqs * num_kv_heads;
-  Bf16Attend fast = nullptr;
-  if constexpr (std::is_same_v<T, uint16_t>) fast = fast_attend<DIM>(group);
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (Bf16Attend fast = fast_attend<DIM>(group); fast != nullptr) {
+      // bf16 fast path: every item in parts ([item][part]: acc [group][dim], peak, sum), merged
+      const int64_t longest = *std::max_element(context_lens, context_lens + num_seqs);
+      const int64_t parts = attend_parts(work, longest, num_threads);
+      const int64_t part_size = static_cast<int64_t>(group) * (head_dim + 2);
+      std::vector<float> partials(static_cast<size_t>(work * parts * part_size));
+#pragma omp parallel num_threads(num_threads)
+      {
+        std::vector<float> scores;  // per thread, reused across its items
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t job = 0; job < work * parts; ++job) {
+          const int64_t item = job / parts, i = job % parts;
+          const int64_t s = item / num_kv_heads, h = item % num_kv_heads, len = context_lens[s];
+          const int64_t begin = len * i / parts, end = len * (i + 1) / parts;
+          float* p = partials.data() + job * part_size;
+          const AttendPart part{p, p + group * head_dim, p + group * head_dim + group};
+          fast(q + s * q_stride + h * group * head_dim, pool, tables + s * table_width, begin, end,
+               h, scale, scores, part);
+        }
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < work; ++item) {
+          const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
+          merge_parts(partials.data() + item * parts * part_size, parts, group, head_dim,
+                      out + (s * num_heads + h * group) * head_dim);
+        }
+      }
+      return;
+    }
+  }
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<float> scores, acc, qf, row;  // per thread, reused across its items
@@ -319,12 +390,6 @@ void decode(const T* q, int64_t q_stride, T* out, const Pool& pool, const int64_
       const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
       const T* qs = q + s * q_stride + h * group * head_dim;  // this KV head's query heads
       T* os = out + (s * num_heads + h * group) * head_dim;
-      if constexpr (std::is_same_v<T, uint16_t>) {
-        if (fast != nullptr) {
-          fast(qs, os, pool, tables + s * table_width, context_lens[s], h, scale, scores);
-          continue;
-        }
-      }
       attend<T, DIM>(qs, os, pool, tables + s * table_width, context_lens[s], h, group, head_dim,
                      scale, scores, acc, qf, row);
     }
@@ -1249,6 +1314,11 @@ int kvabi_mla_decode_records(const void* q, void* out, const void* records, int6
 
 int kvabi_paged_decode_variant(int dtype, int head_dim, int group) {
   return paged_decode_variant(dtype, head_dim, group);
+}
+
+// How many parts the bf16 decode splits each (sequence, KV head)'s keys into (attend_parts).
+int64_t kvabi_attend_parts(int64_t work, int64_t longest, int num_threads) {
+  return attend_parts(work, longest, num_threads);
 }
 
 // dtype: 0 = float32, 1 = bfloat16 (q, out and the cache share it). Returns 0, or -1 for an

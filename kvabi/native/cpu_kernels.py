@@ -211,6 +211,9 @@ class CpuKernels:
         lib.kvabi_paged_decode_variant.argtypes = [c_int, c_int, c_int]
         lib.kvabi_paged_decode_variant.restype = c_int
         self._variant = lib.kvabi_paged_decode_variant
+        lib.kvabi_attend_parts.argtypes = [i64, i64, c_int]
+        lib.kvabi_attend_parts.restype = i64
+        self._attend_parts = lib.kvabi_attend_parts
         self._fns = {}
         for name, argtypes in signatures.items():
             fn = getattr(lib, name)
@@ -332,6 +335,13 @@ class CpuKernels:
         """The loop `paged_decode` runs for this dtype, head size and query heads per KV head
         (the C++ dispatch's own choice): one of `DECODE_VARIANTS`."""
         return DECODE_VARIANTS[self._variant(DTYPE_CODES[dtype], head_dim, group)]
+
+    def attend_parts(self, num_items: int, longest: int) -> int:
+        """How many parts the bf16 decode splits each (sequence, KV head)'s keys into, for
+        `num_items` of them (sequences x KV heads), the longest context `longest` keys, on this
+        thread's kernel threads: 1 where there are a few items per thread; else parts of 64+
+        keys, merged after (batch 1 otherwise leaves threads idle)."""
+        return int(self._attend_parts(num_items, longest, kernel_threads()))
 
     def paged_decode(
         self,

@@ -13,7 +13,13 @@ import torch.nn.functional as F
 
 from kvabi.models.llama import RMSNorm
 from kvabi.models.rope import apply_rope
-from kvabi.native.cpu_kernels import ISA_TARGETS, cpu_kernels, isa_gap, kernel_status
+from kvabi.native.cpu_kernels import (
+    ISA_TARGETS,
+    cpu_kernels,
+    isa_gap,
+    kernel_status,
+    limit_threads,
+)
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -127,6 +133,36 @@ def test_paged_decode_equals_the_torch_path(
         torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
     else:  # the float32 result rounded once to bf16, within an ulp of torch's rounding
         torch.testing.assert_close(got.float(), want.to(dtype).float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("lens", [[600], [600, 77], [130, 129, 1]])
+def test_paged_decode_splits_few_long_sequences_into_parts_and_merges_them(kernels, threads, lens):
+    # Batch 1 has as many items as KV heads (3 here): on several threads the bf16 decode splits
+    # each item's keys into parts and merges their softmax sums. Blocks a table does not name and
+    # slots past each context hold NaN: a part reading outside its range would show.
+    gen = torch.Generator().manual_seed(len(lens) * threads)
+    heads, kv_heads, dim, block_size, num_blocks = 9, 3, 64, 16, 100
+    kv = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=gen).bfloat16()
+    lens = torch.tensor(lens)
+    width = int(-(-lens.max() // block_size))
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.stack([order[i * width : (i + 1) * width] for i in range(len(lens))])
+    used = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    for s, n in enumerate(lens.tolist()):
+        used.view(-1, block_size)[tables[s]] |= (
+            torch.arange(width * block_size) < n
+        ).view(width, block_size)
+    poisoned = kv.clone()
+    poisoned[:, ~used] = float("nan")
+    q = torch.randn(len(lens), heads, dim, generator=gen).bfloat16()
+    with limit_threads(threads):
+        parts = kernels.attend_parts(len(lens) * kv_heads, int(lens.max()))
+        got = kernels.paged_decode(q, poisoned[0], poisoned[1], tables, lens)
+    assert (parts > 1) == (threads > 1 and len(lens) * kv_heads < 4 * threads)
+    assert torch.isfinite(got.float()).all()
+    want = torch_decode(q, kv[0], kv[1], tables, lens)
+    torch.testing.assert_close(got.float(), want.to(torch.bfloat16).float(), atol=1e-2, rtol=1e-2)
 
 
 def test_paged_decode_never_reads_past_the_context(kernels):
