@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -150,12 +151,91 @@ def run(
             cmd = _command(engine, dtype, model, wpath, out, tmp)
             results[f"{engine}-{dtype}"] = _run_worker(cmd, out)
             print(f"  {engine} ({dtype}): done", file=sys.stderr)
+        paired = paired_batch1(
+            [_command(e, dtypes[0], model, wpath, Path(tmp) / f"paired-{e}", tmp) for e in PAIR],
+            PAIRED_ROUNDS[quick],
+        )
     figures = {"model": model, "dtypes": dtypes} | _figures(
         results, work, dtypes, gguf_quant(model)
     )
+    figures |= _paired_figures(paired, dtypes[0])
     _print(figures)
     write_json(json_path, figures)
     return figures
+
+
+# Batch-1 decode of kvabi and llama.cpp on the same weights, both memory-bound: run minutes
+# apart, the host's memory bandwidth moved their ratio by more than the gap between them
+# (0.86-1.2 in runs of one session). Paired, both engines stay loaded and run the batch-1
+# request in turn, the order alternating each round; each round gives one ratio.
+PAIR = ("kvabi", "llamacpp")
+PAIRED_ROUNDS = {True: 4, False: 8}
+
+
+class WorkerGone(Exception):
+    """A paired worker ended before answering (the message: its last stderr line)."""
+
+
+def paired_batch1(commands: list[list[str]], rounds: int) -> list[dict] | str:
+    """Start the workers `commands` (in `--serve-batch1` mode) side by side, one idle while
+    the other runs; `rounds` rounds of each one's batch-1 figures, in alternating order. A
+    worker that fails gives its reason instead."""
+    procs = [
+        subprocess.Popen(
+            [*cmd, "--serve-batch1"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for cmd in commands
+    ]
+    try:
+        for proc in procs:  # one at a time: each warms up alone
+            _read_until(proc, "ready")
+        out = []
+        for r in range(rounds):
+            figures: list[dict] = [{} for _ in procs]
+            for i in range(len(procs))[:: 1 if r % 2 == 0 else -1]:
+                procs[i].stdin.write("batch1\n")
+                procs[i].stdin.flush()
+                figures[i] = json.loads(_read_until(procs[i], "{"))
+            out.append(dict(zip(PAIR, figures, strict=True)))
+        return out
+    except WorkerGone as gone:
+        return f"failed: {gone}"
+    finally:
+        for proc in procs:
+            proc.stdin.close()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _read_until(proc: subprocess.Popen, start: str) -> str:
+    """`proc`'s next stdout line that starts with `start` (other output is skipped)."""
+    for line in proc.stdout:
+        if line.startswith(start):
+            return line
+    proc.wait()
+    err = proc.stderr.read().strip().splitlines()
+    raise WorkerGone(err[-1] if err else f"exit code {proc.returncode}")
+
+
+def _paired_figures(paired: list[dict] | str, dtype: str) -> dict:
+    """The paired rounds' kvabi / llama.cpp batch-1 decode ratios: median, min, max."""
+    if isinstance(paired, str):
+        return {"paired_batch1": paired}
+    ratios = sorted(
+        r["kvabi"]["batch1_decode_tok_s"] / r["llamacpp"]["batch1_decode_tok_s"] for r in paired
+    )
+    return {
+        "paired_batch1": paired,
+        f"{dtype}_decode_vs_llamacpp_paired_ratio": statistics.median(ratios),
+        f"{dtype}_decode_vs_llamacpp_paired_min_ratio": ratios[0],
+        f"{dtype}_decode_vs_llamacpp_paired_max_ratio": ratios[-1],
+    }
 
 
 def _command(engine: str, dtype: str, model: str, wpath: Path, out: Path, tmp: str) -> list[str]:
@@ -164,7 +244,8 @@ def _command(engine: str, dtype: str, model: str, wpath: Path, out: Path, tmp: s
     if engine == "llamacpp":
         gguf = bundled_model_path(model)
         if dtype in WIDE_TYPES:  # the same weights as kvabi's, at its precision
-            gguf = widen_gguf(gguf, Path(tmp) / f"{model}-{dtype}.gguf", dtype)
+            wide = Path(tmp) / f"{model}-{dtype}.gguf"
+            gguf = wide if wide.exists() else widen_gguf(gguf, wide, dtype)
         return [*worker, "--gguf", str(gguf)]
     if engine != "vllm":
         return [*worker, "--dtype", dtype]
@@ -283,6 +364,17 @@ def _print(figures: dict) -> None:
         ["engine-dtype", "TTFT s", "decode tok/s", "concurrent tok/s", "wall s", "peak RSS MB"],
         rows,
     )
+    paired = figures.get("paired_batch1")
+    if isinstance(paired, list):
+        print_table(
+            "batch-1 decode tok/s, paired: both engines loaded, taking turns (order alternating)",
+            ["round", *PAIR, "ratio"],
+            [
+                [i + 1, *(r[e]["batch1_decode_tok_s"] for e in PAIR)]
+                + [r["kvabi"]["batch1_decode_tok_s"] / r["llamacpp"]["batch1_decode_tok_s"]]
+                for i, r in enumerate(paired)
+            ],
+        )
     ratios = [[k, v] for k, v in figures.items() if k.endswith(("_ratio", "_hf"))]
     print_table(
         "kvabi vs HF generate (same run; >1 means kvabi is faster)", ["figure", "value"], ratios

@@ -7,9 +7,11 @@ from kvabi.bench.throughput import (
     _agreeing,
     _engines,
     _figures,
+    _paired_figures,
     _run_worker,
     dtype_names,
     gguf_quant,
+    paired_batch1,
 )
 from kvabi.native.cpu_kernels import has_native_bf16
 
@@ -89,3 +91,44 @@ def test_agreeing_counts_the_shared_leading_tokens():
     assert _agreeing([1, 2, 3], [1, 2, 3]) == "3/3"
     assert _agreeing([1, 2, 3], [4, 2, 3]) == "0/3"
     assert _agreeing([1, 2], [1, 2, 3]) == "2/3"
+
+
+def _serving(name: str, log: Path, rate: float) -> list[str]:
+    """A stand-in `--serve-batch1` worker: noise, "ready", then one JSON line per "batch1" line,
+    each answer logged (its name) to `log` so the order of turns shows."""
+    code = (
+        "import json, sys\n"
+        "print('loading...'); print('ready', flush=True)\n"
+        "for line in sys.stdin:\n"
+        f"    open({str(log)!r}, 'a').write({name!r} + ' ')\n"
+        f"    print(json.dumps({{'batch1_decode_tok_s': {rate}}}), flush=True)\n"
+    )
+    return [sys.executable, "-c", code]
+
+
+def test_paired_batch1_takes_turns_in_alternating_order_and_gives_each_rounds_ratio(tmp_path):
+    log = tmp_path / "turns"
+    rounds = paired_batch1([_serving("k", log, 90.0), _serving("l", log, 100.0)], 4)
+    assert log.read_text().split() == ["k", "l", "l", "k", "k", "l", "l", "k"]
+    assert [r["kvabi"]["batch1_decode_tok_s"] for r in rounds] == [90.0] * 4
+    figures = _paired_figures(rounds, "bf16")
+    assert figures["bf16_decode_vs_llamacpp_paired_ratio"] == 0.9
+
+
+def test_paired_ratio_is_the_median_round_with_its_spread():
+    rounds = [
+        {"kvabi": {"batch1_decode_tok_s": k}, "llamacpp": {"batch1_decode_tok_s": 100.0}}
+        for k in (80.0, 120.0, 100.0, 104.0, 96.0)
+    ]
+    figures = _paired_figures(rounds, "bf16")
+    assert figures["bf16_decode_vs_llamacpp_paired_ratio"] == 1.0
+    assert figures["bf16_decode_vs_llamacpp_paired_min_ratio"] == 0.8
+    assert figures["bf16_decode_vs_llamacpp_paired_max_ratio"] == 1.2
+
+
+def test_a_paired_worker_that_dies_gives_its_reason_and_no_ratio(tmp_path):
+    dead = [sys.executable, "-c", "raise SystemExit('no llama_cpp here')"]
+    got = paired_batch1([_serving("k", tmp_path / "turns", 90.0), dead], 2)
+    assert got == "failed: no llama_cpp here"
+    figures = _paired_figures(got, "bf16")
+    assert not any(k.endswith("_ratio") for k in figures)
