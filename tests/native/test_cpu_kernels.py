@@ -150,9 +150,9 @@ def test_paged_decode_splits_few_long_sequences_into_parts_and_merges_them(kerne
     tables = torch.stack([order[i * width : (i + 1) * width] for i in range(len(lens))])
     used = torch.zeros(num_blocks, block_size, dtype=torch.bool)
     for s, n in enumerate(lens.tolist()):
-        used.view(-1, block_size)[tables[s]] |= (
-            torch.arange(width * block_size) < n
-        ).view(width, block_size)
+        used.view(-1, block_size)[tables[s]] |= (torch.arange(width * block_size) < n).view(
+            width, block_size
+        )
     poisoned = kv.clone()
     poisoned[:, ~used] = float("nan")
     q = torch.randn(len(lens), heads, dim, generator=gen).bfloat16()
