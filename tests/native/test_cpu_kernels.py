@@ -388,10 +388,16 @@ def test_copy_views_quantise_rows_as_the_codec_does(kernels):
         plan.run({"d": fp8}, {"s": x}, kernels)
         want = _to_fp8(x / scale, torch.float8_e4m3fn)
         assert torch.equal(fp8.view(torch.uint8), want.view(torch.uint8)), scale
-    rows = torch.empty(7, 3, 68, dtype=torch.int8)
-    plan = CopyPlan.build([(rows, x)], {"d": rows}, {"s": x}, [RowOp(TO_INT8_ROWS)])
-    plan.run({"d": rows}, {"s": x}, kernels)
-    assert torch.equal(rows, _encode_per_token_head(x, "int8"))
+    # int8: items of 3 rows (one by one), of 37 (16 at a time, then 5), rows of 128 and of 40
+    # values (not 16 at a time); all-zero rows inside a batch of 16 too
+    for shape in ((7, 3, 64), (3, 37, 64), (2, 40, 128), (2, 19, 40)):
+        src = x if shape == x.shape else (torch.randn(shape) * 10 ** torch.randn(shape[:2] + (1,)))
+        src = src.bfloat16()
+        src[-1, shape[1] // 2].zero_()
+        rows = torch.empty(*shape[:2], shape[2] + 4, dtype=torch.int8)
+        plan = CopyPlan.build([(rows, src)], {"d": rows}, {"s": src}, [RowOp(TO_INT8_ROWS)])
+        plan.run({"d": rows}, {"s": src}, kernels)
+        assert torch.equal(rows, _encode_per_token_head(src, "int8")), shape
     wide = torch.empty(7, 3, 64)
     plan = CopyPlan.build([(wide, x)], {"d": wide}, {"s": x}, [RowOp(TO_F32)])
     plan.run({"d": wide}, {"s": x}, kernels)
