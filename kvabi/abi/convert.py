@@ -33,6 +33,8 @@ from kvabi.abi.tiled_view import (
 )
 from kvabi.abi.view_copy import (
     COPY,
+    FROM_E4M3,
+    FROM_INT8_ROWS,
     TO_E4M3,
     TO_F32,
     TO_INT8_ROWS,
@@ -282,29 +284,36 @@ def _plan(src: CacheBuffers, out: CacheBuffers) -> CopyPlan | None:
             widen = (src.desc.layout.dtype, out.desc.layout.dtype) == ("bf16", "f32")
             ops += [RowOp(TO_F32 if widen else COPY)] * (len(pairs) - start)
             continue
-        planes = {p.name: view for (p,), view in _plane_views(src_views)}
-        lay = out.desc.layout
-        for group, view in dst_views:
+        quantise = src.desc.layout.quant == "none"  # else the rows go back to bf16
+        rows, values = (dst_views, src_views) if quantise else (src_views, dst_views)
+        planes = {p.name: view for (p,), view in _plane_views(values)}
+        lay = (out if quantise else src).desc.layout  # the quantised side's
+        for group, view in rows:
             if len(group) != 1:  # a row's scale would cover several planes
                 return None
-            pairs.append((view, planes[group[0].name]))
+            plane = planes[group[0].name]
+            pairs.append((view, plane) if quantise else (plane, view))
             if lay.quant == "per_token_head":
-                ops.append(RowOp(TO_INT8_ROWS))
+                ops.append(RowOp(TO_INT8_ROWS if quantise else FROM_INT8_ROWS))
             else:
-                ops.append(RowOp(TO_E4M3, _scale(lay, layer_id, group[0])))
+                ops.append(
+                    RowOp(TO_E4M3 if quantise else FROM_E4M3, _scale(lay, layer_id, group[0]))
+                )
     return CopyPlan.build(pairs, out.tensors, src.tensors, ops or None)
 
 
 def _is_row_codec(srcs: Sequence[CacheBuffers], dst_desc: Descriptor) -> bool:
     """Whether a whole cache of bf16 values goes into `dst_desc`'s fp8 e4m3 per-tensor or int8
-    per-token-head rows with nothing else changing (a `CopyPlan` with row ops takes it; a
-    bf16 -> float32 conversion is a direct one, widened row by row)."""
+    per-token-head rows, or such rows back into bf16, with nothing else changing (a `CopyPlan`
+    with row ops takes it; a bf16 -> float32 conversion is a direct one, widened row by row)."""
     s, d, src = srcs[0].desc.layout, dst_desc.layout, srcs[0].desc
+    rows = (("per_tensor", "fp8_e4m3"), ("per_token_head", "int8"))
     return (
         len(srcs) == 1
-        and s.quant == "none"
-        and s.dtype == "bf16"
-        and (d.quant, d.dtype) in (("per_tensor", "fp8_e4m3"), ("per_token_head", "int8"))
+        and (
+            ((s.quant, s.dtype) == ("none", "bf16") and (d.quant, d.dtype) in rows)
+            or ((s.quant, s.dtype) in rows and (d.quant, d.dtype) == ("none", "bf16"))
+        )
         and (s.tp_size, s.tp_rank) == (d.tp_size, d.tp_rank)
         and src.model.rope_pairing == dst_desc.model.rope_pairing
         and s.is_paged == d.is_paged

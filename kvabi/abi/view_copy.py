@@ -28,14 +28,23 @@ COPY_DIMS = 5  # outer dims a spec holds (kCopyDims in cpu_kernels.cpp)
 SPEC_WIDTH = 3 + 3 * COPY_DIMS + 3
 # how a row moves (RowOp in cpu_kernels.cpp): its bytes; bf16 -> fp8 e4m3 of x / scale,
 # saturated; bf16 -> int8 and a float32 scale per row (kvabi's per_token_head codec); bf16 ->
-# float32
-COPY, TO_E4M3, TO_INT8_ROWS, TO_F32 = 0, 1, 2, 3
+# float32; and back: int8 rows with their scale -> bf16, fp8 e4m3 -> bf16 of e4m3 * scale
+COPY, TO_E4M3, TO_INT8_ROWS, TO_F32, FROM_INT8_ROWS, FROM_E4M3 = 0, 1, 2, 3, 4, 5
+# each row op's (source dtypes, destination dtypes)
+_FP8 = (torch.float8_e4m3fn, torch.uint8)
+_OP_DTYPES = {
+    TO_E4M3: ((torch.bfloat16,), _FP8),
+    TO_INT8_ROWS: ((torch.bfloat16,), (torch.int8,)),
+    TO_F32: ((torch.bfloat16,), (torch.float32,)),
+    FROM_INT8_ROWS: ((torch.int8,), (torch.bfloat16,)),
+    FROM_E4M3: (_FP8, (torch.bfloat16,)),
+}
 
 
 @dataclass(frozen=True)
 class RowOp:
     """What a copy does to each innermost row (`COPY`, `TO_E4M3` with `scale`, `TO_INT8_ROWS`,
-    `TO_F32`)."""
+    `TO_F32`, and back: `FROM_INT8_ROWS`, `FROM_E4M3` with `scale`)."""
 
     op: int = COPY
     scale: float = 1.0
@@ -124,29 +133,31 @@ def _locate(view: torch.Tensor, buffers: Mapping[str, torch.Tensor]) -> tuple[st
 
 def _spec(dst: torch.Tensor, src: torch.Tensor, op: RowOp | None = None) -> list[int] | None:
     """The pair as a kernel spec with absolute addresses ([] for no elements), or None if it is
-    not one the kernel takes: a plain strided copy (one dtype), or `op`'s conversion of bf16
-    rows (the innermost dim; int8 rows 4 bytes longer, for the scale)."""
+    not one the kernel takes: a plain strided copy (one dtype), or `op`'s conversion of rows
+    (the innermost dim; int8 rows 4 bytes longer, for the scale)."""
     op = op or RowOp()
     if dst.dim() == 0 or dst.dim() != src.dim() or dst.shape[:-1] != src.shape[:-1]:
         return None
     if dst.device.type != "cpu" or src.device.type != "cpu":
         return None
-    width = src.shape[-1] + (4 if op.op == TO_INT8_ROWS else 0)
-    if dst.shape[-1] != width or dst.stride(-1) != 1 or src.stride(-1) != 1:
+    values = dst.shape[-1] if op.op == FROM_INT8_ROWS else src.shape[-1]  # a row's values
+    widths = (
+        values + (4 if op.op == TO_INT8_ROWS else 0),
+        values + (4 if op.op == FROM_INT8_ROWS else 0),
+    )
+    if (dst.shape[-1], src.shape[-1]) != widths or dst.stride(-1) != 1 or src.stride(-1) != 1:
         return None
     if op.op == COPY and dst.dtype != src.dtype:
         return None
-    wanted = {TO_E4M3: (torch.float8_e4m3fn, torch.uint8), TO_INT8_ROWS: (torch.int8,),
-              TO_F32: (torch.float32,)}  # fmt: skip
-    if op.op != COPY and (src.dtype != torch.bfloat16 or dst.dtype not in wanted[op.op]):
+    if op.op != COPY and (src.dtype, dst.dtype) not in _dtype_pairs(op.op):
         return None
     if dst.numel() == 0:
         return []
     outer = list(zip(dst.shape[:-1], dst.stride()[:-1], src.stride()[:-1], strict=True))
     dims = [d for d in outer if d[0] != 1]
-    row_n = src.shape[-1]
-    if op.op != TO_INT8_ROWS:  # merge outer dims into the row where both are contiguous
-        # (not an int8 row: its scale covers one token-head, so it stays one)
+    row_n = values
+    if op.op not in (TO_INT8_ROWS, FROM_INT8_ROWS):  # merge outer dims into the row where both
+        # are contiguous (not an int8 row: its scale covers one token-head, so it stays one)
         while dims and dims[-1][1] == row_n and dims[-1][2] == row_n:
             row_n *= dims.pop()[0]
     merged: list[tuple[int, int, int]] = []
@@ -166,6 +177,11 @@ def _spec(dst: torch.Tensor, src: torch.Tensor, op: RowOp | None = None) -> list
     scale_bits = int(torch.tensor(op.scale, dtype=torch.float32).view(torch.int32).item())
     return [dst.data_ptr(), src.data_ptr(), len(merged), *shape, *dst_strides, *src_strides,
             row, op.op, scale_bits & 0xFFFFFFFF]  # fmt: skip
+
+
+def _dtype_pairs(op: int) -> list[tuple[torch.dtype, torch.dtype]]:
+    sources, destinations = _OP_DTYPES[op]
+    return [(a, b) for a in sources for b in destinations]
 
 
 TRANSPOSE_DIMS = 4  # outer dims a transposing spec holds (kTransposeDims in cpu_kernels.cpp)

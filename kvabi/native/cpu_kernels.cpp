@@ -1149,11 +1149,24 @@ void mla_decode_records(const float* q, float* out, const uint8_t* records,
 //   kBf16ToInt8Row `row` bf16 values -> `row` int8 and the row's float32 scale after them, as
 //                  kvabi's per-token-head codec in bf16 (codec.py): scale = bf16(amax / 127)
 //                  (1 for an all-zero row), q = round-half-even(bf16(x / scale)) in +-127;
-//   kBf16ToF32     `row` bf16 values -> float32 (exact).
+//   kBf16ToF32     `row` bf16 values -> float32 (exact);
+//   kInt8RowToBf16 the reverse of kBf16ToInt8Row: `row` int8 values and their float32 scale
+//                  after them -> bf16 of q * scale (codec.py's decode in float32, then torch's
+//                  cast: nearest even);
+//   kE4m3ToBf16    the reverse of kBf16ToE4m3: `row` fp8 e4m3fn bytes -> bf16 of e4m3 * scale.
+// A NaN stays a NaN (its bf16 bits may differ from torch's, whose own vector and scalar casts
+// differ there too).
 // All the copies' (copy, index along its first dim) items are shared out over the threads in
 // one parallel region; within an item the other dims advance the pointers (no division per row).
 constexpr int kCopyDims = 5;
-enum RowOp : int64_t { kCopyBytes = 0, kBf16ToE4m3 = 1, kBf16ToInt8Row = 2, kBf16ToF32 = 3 };
+enum RowOp : int64_t {
+  kCopyBytes = 0,
+  kBf16ToE4m3 = 1,
+  kBf16ToInt8Row = 2,
+  kBf16ToF32 = 3,
+  kInt8RowToBf16 = 4,
+  kE4m3ToBf16 = 5,
+};
 struct CopySpec {
   int64_t dst, src, nd, shape[kCopyDims], dst_stride[kCopyDims], src_stride[kCopyDims], row;
   int64_t op;
@@ -1300,13 +1313,41 @@ void bf16_to_f32_row(float* d, const uint16_t* s, int64_t n) {
   for (int64_t i = 0; i < n; ++i) d[i] = to_f32(s[i]);
 }
 
+void int8_row_to_bf16(uint16_t* d, const int8_t* s, int64_t n) {
+  float scale;
+  std::memcpy(&scale, s + n, sizeof scale);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) d[i] = bf16_bits(static_cast<float>(s[i]) * scale);
+}
+
+// An e4m3fn byte's value (kE4m3's), in arithmetic the compiler vectorizes: a normal one's
+// exponent rebased into float32's; a subnormal one, m * 2^-9, as 2^-6 (1 + m/8) - 2^-6 (exact;
+// an integer-to-float conversion there kept the loop scalar, 10x slower); the sign bit last.
+inline float e4m3_value(uint32_t b) {
+  const uint32_t e = (b >> 3) & 15u, m = b & 7u;
+  const float normal = __builtin_bit_cast(float, ((e + 120u) << 23) | (m << 20));
+  const float low = __builtin_bit_cast(float, (121u << 23) | (m << 20)) - 0x1p-6f;
+  const float v = (b & 0x7fu) == 0x7fu ? __builtin_nanf("") : (e == 0 ? low : normal);
+  return __builtin_bit_cast(float, __builtin_bit_cast(uint32_t, v) | ((b & 0x80u) << 24));
+}
+
+void e4m3_row_to_bf16(uint16_t* d, const uint8_t* s, int64_t n, float scale) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) d[i] = bf16_bits(e4m3_value(s[i]) * scale);
+}
+
 inline void move_row(char* d, const char* s, const CopySpec& sp) {
   if (sp.op == kCopyBytes)
     copy_row(d, s, sp.row);
   else if (sp.op == kBf16ToF32)
     bf16_to_f32_row(reinterpret_cast<float*>(d), reinterpret_cast<const uint16_t*>(s), sp.row);
-  else  // kBf16ToE4m3 (int8 rows go through Int8Rows)
+  else if (sp.op == kBf16ToE4m3)
     bf16_to_e4m3_row(reinterpret_cast<uint8_t*>(d), reinterpret_cast<const uint16_t*>(s), sp.row,
+                     sp.scale);
+  else if (sp.op == kInt8RowToBf16)
+    int8_row_to_bf16(reinterpret_cast<uint16_t*>(d), reinterpret_cast<const int8_t*>(s), sp.row);
+  else  // kE4m3ToBf16 (kBf16ToInt8Row rows go through Int8Rows)
+    e4m3_row_to_bf16(reinterpret_cast<uint16_t*>(d), reinterpret_cast<const uint8_t*>(s), sp.row,
                      sp.scale);
 }
 
@@ -1380,7 +1421,7 @@ extern "C" {
 int kvabi_copy_views(const void* specs, int64_t count, int num_threads) {
   const auto* sp = static_cast<const CopySpec*>(specs);
   for (int64_t c = 0; c < count; ++c)
-    if (sp[c].nd < 1 || sp[c].nd > kCopyDims || sp[c].row < 1 || sp[c].op < 0 || sp[c].op > 3)
+    if (sp[c].nd < 1 || sp[c].nd > kCopyDims || sp[c].row < 1 || sp[c].op < 0 || sp[c].op > 5)
       return -1;
   copy_views(sp, count, num_threads);
   return 0;

@@ -116,6 +116,35 @@ def test_quantising_rows_equal_the_codec_bit_for_bit(dst_name, overrides, monkey
         assert torch.equal(got.tensors[k].view(torch.uint8), w.view(torch.uint8)), k
 
 
+@pytest.mark.parametrize(
+    ("src_name", "overrides"),
+    [
+        ("vllm-fp8", {"scales": ()}),
+        ("vllm-fp8", {"scales": tuple(0.5 + 0.037 * i for i in range(60))}),
+        ("vllm-int8-per-token-head", {}),
+    ],
+)
+def test_rows_back_to_bf16_equal_the_codec_bit_for_bit(src_name, overrides, monkeypatch):
+    # quantised rows (made by the torch codec from values over e4m3's whole range, a zero row
+    # among them) back into bf16: by the plan in one kernel call, and plane by plane in torch
+    values = _random("vllm-flash-attn", 3, 11)
+    t = next(iter(values.tensors.values()))
+    t.mul_(torch.logspace(-9, 3, t.shape[-1]).to(t.dtype))
+    t[0, 0, 0, 0].zero_()
+    src_desc = preset_descriptor(src_name, MODEL, block_size=16, **overrides)
+    with monkeypatch.context() as m:
+        m.setattr(convert_module, "_run_plan", lambda *_: False)
+        src = convert(values, src_desc)
+        want = convert(src, values.desc)
+    runs = []
+    calls = cpu_kernels().copy_views
+    monkeypatch.setattr(type(cpu_kernels()), "copy_views", lambda k, s: (runs.append(1), calls(s)))
+    got = convert(src, values.desc)
+    assert runs == [1]  # the plan ran
+    for k, w in want.tensors.items():
+        assert torch.equal(got.tensors[k].view(torch.int16), w.view(torch.int16)), k
+
+
 # ---- transposing copies (vLLM CPU's K^T [D][N] against token-major blocks) ----
 
 

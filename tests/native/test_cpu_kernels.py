@@ -373,6 +373,29 @@ def test_copy_views_equals_torch_copy(kernels, width):
         kernels.copy_views(plan.specs.int())
 
 
+def test_copy_views_dequantise_every_e4m3_byte_and_int8_row_as_the_codec_does(kernels):
+    """fp8 e4m3 bytes (all 256: subnormals, both NaNs) and int8 rows with their scales back to
+    bf16, on every ISA build, against kvabi's torch codec (float32 product, then the cast)."""
+    from kvabi.abi.view_copy import FROM_E4M3, FROM_INT8_ROWS, CopyPlan, RowOp
+
+    fp8 = torch.arange(256, dtype=torch.uint8).view(4, 64)
+    for scale in (1.0, 0.37):
+        out = torch.empty(4, 64, dtype=torch.bfloat16)
+        plan = CopyPlan.build([(out, fp8)], {"d": out}, {"s": fp8}, [RowOp(FROM_E4M3, scale)])
+        plan.run({"d": out}, {"s": fp8}, kernels)
+        want = (fp8.view(torch.float8_e4m3fn).float() * scale).bfloat16()
+        assert torch.equal(out.isnan(), want.isnan()) and want.isnan().sum() == 2
+        assert torch.equal(out.nan_to_num(), want.nan_to_num()), scale
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randint(-127, 128, (5, 19, 64), generator=gen, dtype=torch.int8)
+    scales = torch.rand(5, 19, 1, generator=gen) * 10 ** torch.randn(5, 19, 1, generator=gen)
+    rows = torch.cat((q, scales.view(torch.int8)), dim=-1)  # 64 values, then 4 scale bytes
+    out = torch.empty(5, 19, 64, dtype=torch.bfloat16)
+    plan = CopyPlan.build([(out, rows)], {"d": out}, {"s": rows}, [RowOp(FROM_INT8_ROWS)])
+    plan.run({"d": out}, {"s": rows}, kernels)
+    assert torch.equal(out, (q.float() * scales).bfloat16())
+
+
 def test_copy_views_quantise_rows_as_the_codec_does(kernels):
     """bf16 rows -> fp8 e4m3 (per-tensor scale, saturated), -> int8 with a scale per row and
     -> float32, on every ISA build, bit for bit against the torch codec (kvabi/abi/codec.py)."""
