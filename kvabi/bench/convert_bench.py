@@ -1,6 +1,7 @@
-"""`kvabi bench convert`: GB/s per preset pair beside a plain memory copy of the same bytes,
-the two interleaved (kvabi/bench/report.py: a pair whose copy ran far below the machine's plain
-copy speed is flagged `disturbed` and given no ratio)."""
+"""`kvabi bench convert`: GB/s per preset pair beside a plain memory copy of the same bytes
+(the bf16 values' bytes, for the codecs both ways), the two interleaved (kvabi/bench/report.py:
+a pair whose copy ran far below the machine's plain copy speed is flagged `disturbed` and given
+no ratio)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from kvabi.abi.presets import preset_descriptor
 from kvabi.abi.table import print_table
 from kvabi.bench.report import is_disturbed, machine, paired, plain_copy_gbps, write_json
 
-# (source preset, destination preset, destination overrides); all share one block size
+# (source preset, destination preset, destination overrides); all share one block size. A
+# source other than the bf16 one holds the same values, converted into it first; the
+# quantised ones (fp8 with scale 1, int8 per token-head) are the codecs' way back to bf16.
 PAIRS = [
     ("vllm-flash-attn", "vllm-flash-attn-hnd", {}),
     ("vllm-flash-attn", "vllm-flashinfer", {}),
@@ -24,7 +27,10 @@ PAIRS = [
     ("vllm-flash-attn", "vllm-flash-attn", {"dtype": "f32"}),
     ("vllm-flash-attn", "vllm-fp8", {"scales": ()}),
     ("vllm-flash-attn", "vllm-int8-per-token-head", {}),
+    ("vllm-fp8", "vllm-flash-attn", {}),
+    ("vllm-int8-per-token-head", "vllm-flash-attn", {}),
 ]
+SOURCE_OVERRIDES = {"vllm-fp8": {"scales": ()}}
 
 
 def run(quick: bool, json_path: str | None, model_name: str = "smollm2-135m") -> dict:
@@ -48,10 +54,16 @@ def run(quick: bool, json_path: str | None, model_name: str = "smollm2-135m") ->
     figures: dict = {"model": model_name, "num_blocks": num_blocks, "bytes": nbytes,
                      "plain_copy_gbps": reference, "pairs": {}}  # fmt: skip
     rows = []
+    sources = {"vllm-flash-attn": src}
     for src_name, dst_name, overrides in PAIRS:
+        if src_name not in sources:
+            desc = preset_descriptor(src_name, model, **SOURCE_OVERRIDES.get(src_name, {}))
+            sources[src_name] = convert(src, desc)
         dst_desc = preset_descriptor(dst_name, model, **overrides)
         out = CacheBuffers.empty(dst_desc, num_blocks)
-        timed = paired(memcpy, lambda d=dst_desc, o=out: convert(src, d, out=o), repeats)
+        timed = paired(
+            memcpy, lambda s=sources[src_name], d=dst_desc, o=out: convert(s, d, out=o), repeats
+        )
         key = f"{src_name}->{dst_name}" + "".join(f",{k}={v}" for k, v in overrides.items())
         baseline_gbps = nbytes / min(timed.baseline_s) / 1e9
         disturbed = is_disturbed(baseline_gbps, reference)
@@ -62,7 +74,7 @@ def run(quick: bool, json_path: str | None, model_name: str = "smollm2-135m") ->
             "memcpy_spread": timed.spread,
             "memcpy_ratio": ratio,
             "disturbed": disturbed,
-            "lossy": dst_desc.layout.quant != "none",
+            "lossy": {dst_desc.layout.quant, sources[src_name].desc.layout.quant} != {"none"},
         }
         shown = "disturbed" if ratio is None else f"{ratio:.3f}"
         rows.append([key, nbytes / min(timed.measured_s) / 1e9, baseline_gbps, timed.spread, shown])
