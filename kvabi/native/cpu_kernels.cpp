@@ -142,30 +142,39 @@ struct AttendPart {
 using Bf16Attend = void (*)(const uint16_t*, const Pool&, const int64_t*, int64_t, int64_t,
                             int64_t, float, std::vector<float>&, const AttendPart&);
 
-#if defined(__AVX512BF16__)
-// The lane sums of 16 vectors as one vector: out[j] = sum of v[j]'s 16 lanes (a transpose-add
-// tree: 15 adds and 30 shuffles instead of 16 horizontal reductions).
-inline __m512 sum16(const __m512* v) {
+#if defined(__AVX512F__)
+// One lane-wise reduction of each of 16 vectors, as one vector: out[j] = op over v[j]'s 16
+// lanes (a transpose tree: 15 ops and 30 shuffles instead of 16 horizontal reductions).
+template <typename Op>
+inline __m512 reduce16(const __m512* v, Op op) {
   __m512 w[8], x[4], y[2];
   for (int i = 0; i < 8; ++i)
-    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    w[i] = op(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+              _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
   for (int i = 0; i < 4; ++i) {
     const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
-    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    x[i] = op(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+              _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
   }
   for (int i = 0; i < 2; ++i)
-    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xdd));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88),
-                       _mm512_shuffle_f32x4(y[0], y[1], 0xdd));
+    y[i] = op(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+              _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xdd));
+  return op(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xdd));
+}
+inline __m512 sum16(const __m512* v) {
+  return reduce16(v, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
+}
+inline __m512 max16(const __m512* v) {
+  return reduce16(v, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
 }
 
-inline __m512 bf16x16_to_f32(const uint16_t* p) {
+inline __m512 bf16x16_to_f32(const uint16_t* p) {  // exact: bf16 is float32's upper half
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+#endif
+
+#if defined(__AVX512BF16__)
 
 // One (sequence, KV head) of a bf16 cache, with the head size and the number of query heads per
 // KV head fixed at compile time so that the accumulators can live in registers (up to 32: head
@@ -1238,24 +1247,6 @@ void bf16_to_int8_row16(int8_t* d, const uint16_t* s, int64_t n) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(c)));
   }
   std::memcpy(d + n, &scale, sizeof scale);
-}
-
-// The lane maxima of 16 vectors as one vector: out[j] = max of v[j]'s 16 lanes (sum16's tree).
-inline __m512 max16(const __m512* v) {
-  __m512 w[8], x[4], y[2];
-  for (int i = 0; i < 8; ++i)
-    w[i] = _mm512_max_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
-    x[i] = _mm512_max_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  for (int i = 0; i < 2; ++i)
-    y[i] = _mm512_max_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xdd));
-  return _mm512_max_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88),
-                       _mm512_shuffle_f32x4(y[0], y[1], 0xdd));
 }
 
 // bf16_to_int8_row16 on 16 rows at once (d[r], s[r]; n % 16 == 0), the same arithmetic: the

@@ -10,7 +10,8 @@ What the build uses is what the CPU has: `-march=native` turns on the AMX tiles 
 Rapids and later), the AVX512-BF16 paths (those and AMD Zen 4), or leaves the generic loops,
 which the compiler vectorizes for AVX2 or AVX-512 (`ISA_TARGETS`). `$KVABI_KERNEL_ISA` (or
 `cpu_kernels(isa)`) builds for a narrower target than the CPU's own, to run a path another
-CPU kind would take: `avx2` (x86-64-v3, as a CPU without AVX-512), `avx512-bf16` (no AMX).
+CPU kind would take: `avx2` (x86-64-v3, as a CPU without AVX-512), `avx512` (x86-64-v4: AVX-512
+without BF16, as Intel's Skylake-X to Ice Lake), `avx512-bf16` (no AMX).
 
 OpenMP: torch ships its own `libgomp.so.1` and loads it first; the kernel links against the same
 soname, so the dynamic loader gives it torch's runtime and there is one thread pool, not two.
@@ -39,6 +40,8 @@ FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 ISA_TARGETS = {
     "native": (("-march=native",), ()),
     "avx512-bf16": (("-march=x86-64-v4", "-mavx512bf16"), ("avx512f", "avx512bw", "avx512_bf16")),
+    # AVX-512 without BF16 (Intel Skylake-X, Cascade Lake, Ice Lake): no packed GEMM
+    "avx512": (("-march=x86-64-v4",), ("avx512f", "avx512bw", "avx512dq", "avx512vl")),
     "avx2": (("-march=x86-64-v3",), ("avx2", "fma", "f16c")),
 }
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}

@@ -47,6 +47,11 @@ def test_each_isa_build_has_the_paths_its_isa_gives():
         k = cpu_kernels("avx512-bf16")
         assert k.gemm == "AVX512-BF16 dot products" and not k.amx
         assert k.paged_decode_variant(torch.bfloat16, 64, 3) == "AVX512-BF16 instance"
+    if isa_gap("avx512") is None:
+        k = cpu_kernels("avx512")  # AVX-512 without BF16 (Skylake-X to Ice Lake): it builds,
+        assert k.gemm is None and not k.amx  # with no packed GEMM; AVX-512 copies and hashes
+        assert k.paged_decode_variant(torch.bfloat16, 64, 3) == "generic loop, head_dim unrolled"
+        assert k.transposes_fast
     if isa_gap("avx2") is None:
         k = cpu_kernels("avx2")  # no AVX-512: no packed GEMM, the generic decode loops
         assert k.gemm is None and not k.amx
