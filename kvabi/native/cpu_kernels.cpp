@@ -1081,15 +1081,21 @@ int paged_decode_variant(int dtype, int head_dim, int group) {
 //   score(t) = scale * (sum_i tile_scale_i * sum_{j in tile i} q[j] e4m3(r[j]) + q_pe . rope)
 //   out = sum_t softmax(score)_t * latent_t, latent_t[j] = e4m3(r[j]) * tile_scale[j / 128]
 // Each tile is dequantised on the fly (its scale applied once per tile, not per value).
-struct E4m3Table {
+// An e4m3fn byte's value, in arithmetic the compiler vectorizes: a normal one's
+// exponent rebased into float32's; a subnormal one, m * 2^-9, as 2^-6 (1 + m/8) - 2^-6 (exact;
+// an integer-to-float conversion there kept the loop scalar, 10x slower); the sign bit last.
+inline float e4m3_value(uint32_t b) {
+  const uint32_t e = (b >> 3) & 15u, m = b & 7u;
+  const float normal = __builtin_bit_cast(float, ((e + 120u) << 23) | (m << 20));
+  const float low = __builtin_bit_cast(float, (121u << 23) | (m << 20)) - 0x1p-6f;
+  const float v = (b & 0x7fu) == 0x7fu ? __builtin_nanf("") : (e == 0 ? low : normal);
+  return __builtin_bit_cast(float, __builtin_bit_cast(uint32_t, v) | ((b & 0x80u) << 24));
+}
+
+struct E4m3Table {  // e4m3_value of every byte, for loops that look a byte up
   float value[256];
   E4m3Table() {
-    for (int b = 0; b < 256; ++b) {
-      const int sign = b >> 7, exp = (b >> 3) & 15, mant = b & 7;
-      float v = exp == 0 ? std::ldexp(mant / 8.0f, -6) : std::ldexp(1.0f + mant / 8.0f, exp - 7);
-      if (exp == 15 && mant == 7) v = NAN;  // e4m3fn: no infinities, one NaN per sign
-      value[b] = sign ? -v : v;
-    }
+    for (uint32_t b = 0; b < 256; ++b) value[b] = e4m3_value(b);
   }
 };
 const E4m3Table kE4m3;
@@ -1230,14 +1236,9 @@ inline __m512 rnd_bf16x16(__m512 x) {
   return _mm512_castsi512_ps(_mm512_mask_blend_epi32(nan, rounded, quiet));
 }
 
-// bf16_to_int8_row for rows of 16k values, 16 lanes at a time (the same arithmetic: the
-// compiler's loops spent more on the row's reduction and scale than on its values)
-void bf16_to_int8_row16(int8_t* d, const uint16_t* s, int64_t n) {
-  __m512 amax = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16)  // max(x, amax): a NaN value is skipped, as std::max does
-    amax = _mm512_max_ps(_mm512_abs_ps(bf16x16_to_f32(s + i)), amax);
-  const float a = _mm512_reduce_max_ps(amax);
-  const float scale = a > 0.0f ? rnd<uint16_t>(a / 127.0f) : 1.0f;
+// A row of n (% 16 == 0) bf16 values -> int8 round-half-even(bf16(x / scale)) in +-127, then
+// the scale after them (kvabi's per_token_head codec).
+inline void quantise_int8_row16(int8_t* d, const uint16_t* s, int64_t n, float scale) {
   const __m512 vs = _mm512_set1_ps(scale), magic = _mm512_set1_ps(12582912.0f);
   const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
   for (int64_t i = 0; i < n; i += 16) {
@@ -1247,6 +1248,16 @@ void bf16_to_int8_row16(int8_t* d, const uint16_t* s, int64_t n) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(c)));
   }
   std::memcpy(d + n, &scale, sizeof scale);
+}
+
+// bf16_to_int8_row for rows of 16k values, 16 lanes at a time (the same arithmetic: the
+// compiler's loops spent more on the row's reduction and scale than on its values)
+void bf16_to_int8_row16(int8_t* d, const uint16_t* s, int64_t n) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16)  // max(x, amax): a NaN value is skipped, as std::max does
+    amax = _mm512_max_ps(_mm512_abs_ps(bf16x16_to_f32(s + i)), amax);
+  const float a = _mm512_reduce_max_ps(amax);
+  quantise_int8_row16(d, s, n, a > 0.0f ? rnd<uint16_t>(a / 127.0f) : 1.0f);
 }
 
 // bf16_to_int8_row16 on 16 rows at once (d[r], s[r]; n % 16 == 0), the same arithmetic: the
@@ -1265,19 +1276,7 @@ void bf16_to_int8_rows16(int8_t* const* d, const uint16_t* const* s, int64_t n) 
   const __m512 quotient = rnd_bf16x16(_mm512_div_ps(a, _mm512_set1_ps(127.0f)));
   alignas(64) float scales[16];
   _mm512_store_ps(scales, _mm512_mask_blend_ps(positive, _mm512_set1_ps(1.0f), quotient));
-  const __m512 magic = _mm512_set1_ps(12582912.0f);
-  const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
-  for (int r = 0; r < 16; ++r) {
-    const __m512 vs = _mm512_set1_ps(scales[r]);
-    for (int64_t i = 0; i < n; i += 16) {
-      const __m512 q = rnd_bf16x16(_mm512_div_ps(bf16x16_to_f32(s[r] + i), vs));
-      const __m512 rounded = _mm512_sub_ps(_mm512_add_ps(q, magic), magic);
-      const __m512 c = _mm512_min_ps(_mm512_max_ps(rounded, lo), hi);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(d[r] + i),
-                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(c)));
-    }
-    std::memcpy(d[r] + n, &scales[r], sizeof(float));
-  }
+  for (int r = 0; r < 16; ++r) quantise_int8_row16(d[r], s[r], n, scales[r]);
 }
 #define KVABI_HAVE_INT8_ROWS16 1
 #endif
@@ -1309,17 +1308,6 @@ void int8_row_to_bf16(uint16_t* d, const int8_t* s, int64_t n) {
   std::memcpy(&scale, s + n, sizeof scale);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) d[i] = bf16_bits(static_cast<float>(s[i]) * scale);
-}
-
-// An e4m3fn byte's value (kE4m3's), in arithmetic the compiler vectorizes: a normal one's
-// exponent rebased into float32's; a subnormal one, m * 2^-9, as 2^-6 (1 + m/8) - 2^-6 (exact;
-// an integer-to-float conversion there kept the loop scalar, 10x slower); the sign bit last.
-inline float e4m3_value(uint32_t b) {
-  const uint32_t e = (b >> 3) & 15u, m = b & 7u;
-  const float normal = __builtin_bit_cast(float, ((e + 120u) << 23) | (m << 20));
-  const float low = __builtin_bit_cast(float, (121u << 23) | (m << 20)) - 0x1p-6f;
-  const float v = (b & 0x7fu) == 0x7fu ? __builtin_nanf("") : (e == 0 ? low : normal);
-  return __builtin_bit_cast(float, __builtin_bit_cast(uint32_t, v) | ((b & 0x80u) << 24));
 }
 
 void e4m3_row_to_bf16(uint16_t* d, const uint8_t* s, int64_t n, float scale) {
