@@ -140,16 +140,17 @@ def _spec(dst: torch.Tensor, src: torch.Tensor, op: RowOp | None = None) -> list
         return None
     if dst.device.type != "cpu" or src.device.type != "cpu":
         return None
-    values = dst.shape[-1] if op.op == FROM_INT8_ROWS else src.shape[-1]  # a row's values
-    widths = (
-        values + (4 if op.op == TO_INT8_ROWS else 0),
-        values + (4 if op.op == FROM_INT8_ROWS else 0),
-    )
-    if (dst.shape[-1], src.shape[-1]) != widths or dst.stride(-1) != 1 or src.stride(-1) != 1:
+    # an int8 row's 4 scale bytes follow its values: on the destination side quantising, on
+    # the source side going back
+    dst_extra, src_extra = {TO_INT8_ROWS: (4, 0), FROM_INT8_ROWS: (0, 4)}.get(op.op, (0, 0))
+    values = src.shape[-1] - src_extra  # a row's values
+    if dst.shape[-1] != values + dst_extra or dst.stride(-1) != 1 or src.stride(-1) != 1:
         return None
     if op.op == COPY and dst.dtype != src.dtype:
         return None
-    if op.op != COPY and (src.dtype, dst.dtype) not in _dtype_pairs(op.op):
+    if op.op != COPY and not (
+        src.dtype in _OP_DTYPES[op.op][0] and dst.dtype in _OP_DTYPES[op.op][1]
+    ):
         return None
     if dst.numel() == 0:
         return []
@@ -177,11 +178,6 @@ def _spec(dst: torch.Tensor, src: torch.Tensor, op: RowOp | None = None) -> list
     scale_bits = int(torch.tensor(op.scale, dtype=torch.float32).view(torch.int32).item())
     return [dst.data_ptr(), src.data_ptr(), len(merged), *shape, *dst_strides, *src_strides,
             row, op.op, scale_bits & 0xFFFFFFFF]  # fmt: skip
-
-
-def _dtype_pairs(op: int) -> list[tuple[torch.dtype, torch.dtype]]:
-    sources, destinations = _OP_DTYPES[op]
-    return [(a, b) for a in sources for b in destinations]
 
 
 TRANSPOSE_DIMS = 4  # outer dims a transposing spec holds (kTransposeDims in cpu_kernels.cpp)

@@ -223,13 +223,19 @@ def _read_until(proc: subprocess.Popen, start: str) -> str:
     raise WorkerGone(err[-1] if err else f"exit code {proc.returncode}")
 
 
+def _round_ratio(paired_round: dict) -> float:
+    """One paired round's kvabi / llama.cpp batch-1 decode tokens/s."""
+    return (
+        paired_round["kvabi"]["batch1_decode_tok_s"]
+        / (paired_round["llamacpp"]["batch1_decode_tok_s"])
+    )
+
+
 def _paired_figures(paired: list[dict] | str, dtype: str) -> dict:
     """The paired rounds' kvabi / llama.cpp batch-1 decode ratios: median, min, max."""
     if isinstance(paired, str):
         return {"paired_batch1": paired}
-    ratios = sorted(
-        r["kvabi"]["batch1_decode_tok_s"] / r["llamacpp"]["batch1_decode_tok_s"] for r in paired
-    )
+    ratios = sorted(_round_ratio(r) for r in paired)
     return {
         "paired_batch1": paired,
         f"{dtype}_decode_vs_llamacpp_paired_ratio": statistics.median(ratios),
@@ -370,8 +376,7 @@ def _print(figures: dict) -> None:
             "batch-1 decode tok/s, paired: both engines loaded, taking turns (order alternating)",
             ["round", *PAIR, "ratio"],
             [
-                [i + 1, *(r[e]["batch1_decode_tok_s"] for e in PAIR)]
-                + [r["kvabi"]["batch1_decode_tok_s"] / r["llamacpp"]["batch1_decode_tok_s"]]
+                [i + 1, *(r[e]["batch1_decode_tok_s"] for e in PAIR), _round_ratio(r)]
                 for i, r in enumerate(paired)
             ],
         )
